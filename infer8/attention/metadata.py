@@ -1,0 +1,83 @@
+"""Attention metadata for one flat, unpadded batch, built once per step by the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V goes and what each sequence attends over.
+
+    Tokens of all scheduled requests are packed into one 1-D batch: sequence i owns tokens
+    [query_start_loc[i], query_start_loc[i+1]) and, after this step, has seq_lens[i] tokens of
+    context in the blocks named by block_tables[i]. Static-batch padding tokens, if any, come
+    after all real tokens (index >= num_real_tokens) and attend to nothing.
+    """
+
+    num_real_tokens: int
+    slot_mapping: (
+        torch.Tensor
+    )  # [num_real_tokens] int64, flat slot = block_id * block_size + offset
+    query_start_loc: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]  # [num_seqs]
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64, zero padded
+    # Decode fast path: sequences with exactly one new token, attended in one batched call.
+    decode_seq_ids: list[int]
+    decode_token_ids: torch.Tensor  # [num_decode] int64, token index of each decode sequence
+    decode_block_tables: torch.Tensor  # [num_decode, max_decode_blocks] int64
+    decode_mask: torch.Tensor  # [num_decode, 1, 1, max_decode_blocks * block_size] bool
+    # Everything else (prefill chunks) is attended one sequence at a time.
+    prefill_seq_ids: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        """Return the number of sequences in the batch."""
+        return len(self.seq_lens)
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    num_computed_tokens: list[int],
+    block_ids: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Build metadata from per-sequence query lengths, progress and block tables."""
+    num_seqs = len(query_lens)
+    query_start_loc = [0]
+    seq_lens = []
+    slots: list[int] = []
+    for q_len, computed, blocks in zip(query_lens, num_computed_tokens, block_ids):
+        query_start_loc.append(query_start_loc[-1] + q_len)
+        seq_lens.append(computed + q_len)
+        for pos in range(computed, computed + q_len):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    max_blocks = max((len(b) for b in block_ids), default=0)
+    table = torch.zeros((num_seqs, max(1, max_blocks)), dtype=torch.int64)
+    for i, blocks in enumerate(block_ids):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+
+    decode_seq_ids = [i for i in range(num_seqs) if query_lens[i] == 1]
+    prefill_seq_ids = [i for i in range(num_seqs) if query_lens[i] != 1]
+    max_decode_blocks = max((-(-seq_lens[i] // block_size) for i in decode_seq_ids), default=1)
+    decode_block_tables = table[decode_seq_ids, :max_decode_blocks]
+    decode_lens = torch.tensor([seq_lens[i] for i in decode_seq_ids], dtype=torch.int64)
+    positions = torch.arange(max_decode_blocks * block_size)
+    decode_mask = (positions[None, :] < decode_lens[:, None])[:, None, None, :]
+    return AttentionMetadata(
+        num_real_tokens=query_start_loc[-1],
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=table.to(device),
+        decode_seq_ids=decode_seq_ids,
+        decode_token_ids=torch.tensor(
+            [query_start_loc[i] for i in decode_seq_ids], dtype=torch.int64, device=device
+        ),
+        decode_block_tables=decode_block_tables.to(device),
+        decode_mask=decode_mask.to(device),
+        prefill_seq_ids=prefill_seq_ids,
+    )

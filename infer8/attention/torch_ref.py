@@ -1,0 +1,115 @@
+"""The PyTorch reference attention over the paged cache (the CPU backend and the GPU oracle)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from infer8.attention.metadata import AttentionMetadata
+from infer8.quant import fp8
+from infer8.worker.kv_cache import LayerKVCache
+
+
+def write_kv(
+    cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each new token's K/V in its slot, quantizing when the cache is FP8.
+
+    k, v: [num_real_tokens, num_kv_heads, head_dim]
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_flat = cache.k.view(-1, num_kv_heads, head_dim)
+    v_flat = cache.v.view(-1, num_kv_heads, head_dim)
+    if cache.k_scale is None:
+        k_flat[slot_mapping] = k.to(cache.k.dtype)
+        v_flat[slot_mapping] = v.to(cache.v.dtype)
+        return
+    dtype = cache.k.dtype
+    for x, flat, scale_store, static in (
+        (k, k_flat, cache.k_scale, cache.k_static_scale),
+        (v, v_flat, cache.v_scale, cache.v_static_scale),
+    ):
+        if static is None:
+            scale = fp8.dynamic_scale(x, dtype)  # [num_tokens, num_kv_heads]
+            scale_store.view(-1, num_kv_heads)[slot_mapping] = scale
+            flat[slot_mapping] = fp8.quantize(x, scale[..., None], dtype)
+        else:
+            # static: [num_kv_heads, 1] per head or [num_kv_heads, head_dim] per channel
+            assert cache.num_saturated is not None
+            cache.num_saturated += fp8.count_saturated(x, static, dtype)
+            flat[slot_mapping] = fp8.quantize(x, static, dtype)
+
+
+def _read(
+    cache_t: torch.Tensor,
+    scale_t: torch.Tensor | None,
+    static: torch.Tensor | None,
+    block_table: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Gather the blocks of `block_table` ([..., num_blocks]) and dequantize them.
+
+    Returns [..., num_blocks * block_size, num_kv_heads, head_dim] in out_dtype.
+    """
+    blocks = cache_t[block_table]  # [..., nb, block_size, kvh, d]
+    shape = (*block_table.shape[:-1], -1, *cache_t.shape[2:])
+    if scale_t is None:
+        return blocks.reshape(shape).to(out_dtype)
+    if static is None:
+        scale = scale_t[block_table].reshape(shape[:-1])[..., None]
+    else:
+        scale = static
+    return fp8.dequantize(blocks.reshape(shape), scale, out_dtype)
+
+
+def paged_attention(
+    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attend each sequence's new tokens over its cached context (causal within the chunk).
+
+    q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]; padding tokens
+    (index >= meta.num_real_tokens) get zeros.
+    """
+    out = torch.zeros_like(q)
+    dtype = q.dtype
+    if meta.decode_seq_ids:
+        # Batched single-token decode: [B, H, 1, D] over [B, KVH, L, D] with a length mask.
+        k = _read(cache.k, cache.k_scale, cache.k_static_scale, meta.decode_block_tables, dtype)
+        v = _read(cache.v, cache.v_scale, cache.v_static_scale, meta.decode_block_tables, dtype)
+        qd = q[meta.decode_token_ids].unsqueeze(2)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(
+            qd,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=meta.decode_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[meta.decode_token_ids] = o.squeeze(2)
+    for i in meta.prefill_seq_ids:
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        q_len, seq_len = end - start, meta.seq_lens[i]
+        num_blocks = -(-seq_len // cache.block_size)
+        table = meta.block_tables[i, :num_blocks]
+        k = _read(cache.k, cache.k_scale, cache.k_static_scale, table, dtype)[:seq_len]
+        v = _read(cache.v, cache.v_scale, cache.v_static_scale, table, dtype)[:seq_len]
+        qs = q[start:end].transpose(0, 1)  # [H, q_len, D]
+        if q_len == seq_len:
+            mask = None
+            causal = True
+        else:
+            # query j sits at position seq_len - q_len + j and sees keys up to it
+            rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+            causal = False
+        o = F.scaled_dot_product_attention(
+            qs,
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,206 @@
+"""Frozen configuration dataclasses; "auto" values are resolved once by the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+class KVCacheDType(str, enum.Enum):
+    """What one KV-cache element is stored as (the --kv-cache-dtype choices)."""
+
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+    @classmethod
+    def parse(cls, value: str | KVCacheDType) -> KVCacheDType:
+        """Parse a flag value; "fp8" means E4M3 as in vLLM."""
+        if isinstance(value, KVCacheDType):
+            return value
+        aliases = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+        value = aliases.get(value, value)
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"unknown kv_cache_dtype {value!r}; choose one of: auto, bfloat16, float16, "
+                "float32, fp8, fp8_e4m3, fp8_e5m2"
+            ) from None
+
+    @property
+    def is_fp8(self) -> bool:
+        """Return whether elements are one byte."""
+        return self in (KVCacheDType.FP8_E4M3, KVCacheDType.FP8_E5M2)
+
+    def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """Return the storage dtype; auto follows the model's compute dtype."""
+        return {
+            KVCacheDType.AUTO: model_dtype,
+            KVCacheDType.BFLOAT16: torch.bfloat16,
+            KVCacheDType.FLOAT16: torch.float16,
+            KVCacheDType.FLOAT32: torch.float32,
+            KVCacheDType.FP8_E4M3: torch.float8_e4m3fn,
+            KVCacheDType.FP8_E5M2: torch.float8_e5m2,
+        }[self]
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype | None:
+    """Parse a --dtype value; None means auto."""
+    if isinstance(value, torch.dtype):
+        return value
+    if value == "auto":
+        return None
+    if value not in _DTYPES:
+        raise ValueError(
+            f"unknown dtype {value!r}; choose one of: auto, bfloat16, float16, float32"
+        )
+    return _DTYPES[value]
+
+
+def resolve_device(device: str) -> torch.device:
+    """Resolve "auto" to cuda when present, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how to compute with it."""
+
+    model: str
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.device.type == "cpu" and self.dtype == torch.float16:
+            raise ValueError(
+                "dtype float16 is not accelerated on CPU (~3 GFLOP/s); use bfloat16 or float32"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the paged KV cache is laid out and sized."""
+
+    block_size: int = 16
+    kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_scale: str = "dynamic"
+    kv_scales_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
+            )
+        if self.kv_scale not in ("dynamic", "static"):
+            raise ValueError(f"kv_scale must be dynamic or static, got {self.kv_scale!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many requests and tokens one step may hold, and which policy picks them."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    scheduler: str = "continuous"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.scheduler not in ("continuous", "static"):
+            raise ValueError(f"scheduler must be continuous or static, got {self.scheduler!r}")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The flat user-facing options (LLM(...) kwargs and CLI flags); one source of truth."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    served_model_name: str | None = None
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_scale: str = "dynamic"
+    kv_scales_path: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    scheduler: str = "continuous"
+
+    def create_configs(self, model_path: str) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+        """Validate and split into the three configs (dtype auto is resolved by the loader)."""
+        device = resolve_device(self.device)
+        dtype = parse_dtype(self.dtype)
+        if dtype is None:
+            # On CPU bf16 is the fast path (fp16 is not accelerated); on GPU the loader may
+            # refine this from the checkpoint's torch_dtype.
+            dtype = torch.bfloat16
+        model_config = ModelConfig(
+            model=model_path,
+            dtype=dtype,
+            device=device,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+            served_model_name=self.served_model_name,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_dtype=KVCacheDType.parse(self.kv_cache_dtype),
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_scale=self.kv_scale,
+            kv_scales_path=self.kv_scales_path,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            scheduler=self.scheduler,
+        )
+        return model_config, cache_config, scheduler_config
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Return the option names (for CLI generation and kwargs checks)."""
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,82 @@
+"""Plain-data records crossing the scheduler / model-runner boundary (no tensors, no Requests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infer8.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner sees for the first time: what it needs to build inputs and sample."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's slice of this step: tokens [num_computed_tokens, +num_new_tokens)."""
+
+    req_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_ids: list[int]
+    # False for a prefill chunk that stops short of the last known token: nothing to sample.
+    sample: bool = True
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step, in batch order."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests that left since the last step; the runner drops their state.
+    finished_req_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Static batching: dummy tokens computed to keep the padded batch rectangular.
+    num_padding_tokens: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """Return the real (unpadded) tokens in this step."""
+        return sum(r.num_new_tokens for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """Return whether there is nothing to compute."""
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled this step, for requests whose scheduled tokens reached their end."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # req_id -> (logprob of the sampled token, [(token_id, logprob)] top-k by logprob)
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerStats:
+    """A per-step record for metrics, benchmarks and tests."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0
+    num_padded_tokens: int = 0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_total: int = 0
+    step_time_s: float = 0.0
+    scheduled_req_ids: list[str] = field(default_factory=list)
+    admitted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Return the fraction of KV blocks in use after the step."""
+        return self.num_kv_blocks_used / max(1, self.num_kv_blocks_total)

@@ -1,0 +1,222 @@
+"""The continuous (iteration-level) scheduler: schedule() -> SchedulerOutput; update_from_output()."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from infer8.core.kv_cache_manager import KVCacheManager
+from infer8.core.sched_output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from infer8.request import Request, RequestStatus
+
+
+class SchedulerBase:
+    """Owns the requests, the waiting queue and the KV cache manager shared by both policies."""
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._seen_by_runner: set[str] = set()
+        self._finished_since_last_step: list[str] = []
+        self._stats = SchedulerStats()
+
+    # -- request lifecycle ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request (the engine has validated that it can ever fit)."""
+        assert request.request_id not in self.requests, "duplicate request id"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish (stop string, abort) requests now and free their blocks."""
+        assert status.is_finished
+        finished = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            request.status = status
+            self._remove(request)
+            finished.append(request)
+        return finished
+
+    def _remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        """Free a finished request's blocks and forget it."""
+        self.kv_cache_manager.free(request.request_id)
+        del self.requests[request.request_id]
+        self._stats.finished_req_ids.append(request.request_id)
+        if request.request_id in self._seen_by_runner:
+            self._seen_by_runner.discard(request.request_id)
+            self._finished_since_last_step.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """Return whether any request is waiting or running."""
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Return waiting + running."""
+        return len(self.requests)
+
+    # -- one step ----------------------------------------------------------------------------
+    def _new_output(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        self._finished_since_last_step = []
+        self._stats = SchedulerStats()
+        return out
+
+    def _schedule_request(
+        self, out: SchedulerOutput, request: Request, num_new_tokens: int
+    ) -> None:
+        """Append one request's slice to the step's output."""
+        if request.request_id not in self._seen_by_runner:
+            self._seen_by_runner.add(request.request_id)
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    request.request_id, list(request.all_token_ids), request.sampling_params
+                )
+            )
+        if request.first_scheduled_time_s is None:
+            request.first_scheduled_time_s = time.monotonic()
+        end = request.num_computed_tokens + num_new_tokens
+        out.scheduled.append(
+            ScheduledRequest(
+                req_id=request.request_id,
+                num_computed_tokens=request.num_computed_tokens,
+                num_new_tokens=num_new_tokens,
+                block_ids=list(self.kv_cache_manager.get_block_ids(request.request_id)),
+                sample=end == request.num_tokens,
+            )
+        )
+        self._stats.scheduled_req_ids.append(request.request_id)
+
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[tuple[Request, list[int]]]:
+        """Advance progress, append sampled tokens and retire finished requests in this step.
+
+        Returns (request, new token ids) for every request that got a token this step.
+        """
+        progressed: list[tuple[Request, list[int]]] = []
+        for sched in sched_out.scheduled:
+            request = self.requests.get(sched.req_id)
+            if request is None:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += sched.num_new_tokens
+            token_id = runner_out.sampled_token_ids.get(sched.req_id)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            progressed.append((request, [token_id]))
+            if request.is_finished:
+                self._on_finished(request)
+        return progressed
+
+    def _on_finished(self, request: Request) -> None:
+        """Retire a request that finished on its own (EOS, stop token, length)."""
+        self._remove(request)
+
+    def make_stats(self) -> SchedulerStats:
+        """Return the stats of the step just completed."""
+        stats = self._stats
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting)
+        stats.num_kv_blocks_used = self.kv_cache_manager.block_pool.num_used_blocks
+        stats.num_kv_blocks_total = self.kv_cache_manager.num_blocks
+        return stats
+
+    def schedule(self) -> SchedulerOutput:  # pragma: no cover - abstract
+        """Pick this step's work."""
+        raise NotImplementedError
+
+
+class Scheduler(SchedulerBase):
+    """Iteration-level scheduling: requests join and leave the batch at every step."""
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running requests first, then waiting ones (FCFS)."""
+        out = self._new_output()
+        token_budget = self.max_num_batched_tokens
+        preempted = False
+
+        # Running requests: decodes and the rest of chunked prefills, never stalled by admissions.
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            assert num_new > 0
+            while (
+                self.kv_cache_manager.allocate_slots(
+                    request.request_id, request.num_computed_tokens + num_new
+                )
+                is None
+            ):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim, out)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                self._schedule_request(out, request, num_new)
+                token_budget -= num_new
+                i += 1
+                continue
+            break  # the request preempted itself: nothing further fits
+
+        # Waiting requests join while seats, budget and blocks allow; not after a preemption.
+        while (
+            not preempted
+            and self.waiting
+            and len(self.running) < self.max_num_seqs
+            and token_budget > 0
+        ):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if (
+                self.kv_cache_manager.allocate_slots(
+                    request.request_id, request.num_computed_tokens + num_new
+                )
+                is None
+            ):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._stats.admitted_req_ids.append(request.request_id)
+            self._schedule_request(out, request, num_new)
+            token_budget -= num_new
+
+        self._stats.num_scheduled_tokens = out.total_num_scheduled_tokens
+        return out
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Free a running request's blocks and requeue it at the front for recomputation."""
+        self.kv_cache_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted_req_ids.append(request.request_id)
+        self._stats.num_preemptions += 1

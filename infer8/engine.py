@@ -1,0 +1,270 @@
+"""LLMEngine: add_request / step / abort over the scheduler and the model runner."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from infer8.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from infer8.core.kv_cache_manager import KVCacheManager, cdiv
+from infer8.core.sched_output import SchedulerStats
+from infer8.core.scheduler import Scheduler, SchedulerBase
+from infer8.core.static_scheduler import StaticScheduler
+from infer8.models.llama import LlamaForCausalLM
+from infer8.models.loader import load_model
+from infer8.outputs import RequestOutput, RequestState
+from infer8.request import Request, RequestStatus
+from infer8.sampling_params import SamplingParams
+from infer8.tokenizer import Tokenizer
+from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from infer8.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# With no budget given on CPU, take at most this much RAM for the cache (vLLM's CPU default).
+_CPU_DEFAULT_KV_BYTES = 4 * GiB
+
+
+def _device_memory_bytes(device: torch.device) -> int:
+    """Return the device's total memory (RAM on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resolve_model_path(model: str | None) -> str:
+    """Return a local model path; None means the default model (fetched once, then cached)."""
+    if model is None:
+        from infer8.models.default_model import pull_default_model
+
+        return str(pull_default_model())
+    if not Path(model).exists():
+        raise ValueError(
+            f"model {model!r} is not a local path; infer8 loads a Hugging Face model directory "
+            "or a .gguf file (no hub downloads). Run `infer8 pull` for the default model."
+        )
+    return model
+
+
+class LLMEngine:
+    """Owns the tokenizer, scheduler and model runner of one model; driven by step()."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        model_path = resolve_model_path(args.model)
+        model_config, cache_config, scheduler_config = args.create_configs(model_path)
+        model, hf_config = load_model(model_path, model_config.dtype, model_config.device)
+        self.tokenizer = _load_tokenizer(model_path)
+        self.model_config, self.cache_config, self.scheduler_config = (
+            model_config,
+            cache_config,
+            scheduler_config,
+        )
+        arch = model.config
+        kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
+        self.kv_spec = KVCacheSpec(
+            num_layers=arch.num_hidden_layers,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            block_size=cache_config.block_size,
+            dtype=kv_dtype,
+        )
+        kv_bytes = self._kv_budget_bytes(args, model, model_config, scheduler_config)
+        self.num_blocks = self.kv_spec.num_blocks_for(kv_bytes)
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({kv_bytes} bytes) holds no block of "
+                f"{self.kv_spec.bytes_per_block} bytes; raise kv_cache_memory_bytes"
+            )
+        capacity_tokens = self.num_blocks * cache_config.block_size
+        self.max_model_len = self._resolve_max_model_len(
+            model_config, arch.max_position_embeddings, capacity_tokens
+        )
+        model_config = dataclasses.replace(model_config, max_model_len=self.max_model_len)
+        self.model_config = model_config
+        model.rope_tables(self.max_model_len, model_config.device, model_config.dtype)
+        kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, model_config.device)
+        self.kv_caches = kv_caches
+        gib = self.num_blocks * self.kv_spec.bytes_per_block / GiB
+        dtype_name = str(kv_dtype).removeprefix("torch.")
+        print(
+            f"KV cache: {self.num_blocks} blocks x {cache_config.block_size} tokens = "
+            f"{capacity_tokens} tokens, {gib:.2f} GiB, dtype {dtype_name}",
+            flush=True,
+        )
+        self.model: LlamaForCausalLM = model
+        self.hf_config = hf_config
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size)
+        sched_cls = StaticScheduler if scheduler_config.scheduler == "static" else Scheduler
+        self.scheduler: SchedulerBase = sched_cls(
+            self.kv_cache_manager,
+            scheduler_config.max_num_seqs,
+            scheduler_config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(
+            model,
+            kv_caches,
+            cache_config.block_size,
+            model_config.device,
+            self.tokenizer.eos_token_ids,
+            seed=model_config.seed,
+        )
+        self.req_states: dict[str, RequestState] = {}
+        self._req_counter = itertools.count()
+        self.stat_loggers: list[Callable[[SchedulerStats], None]] = []
+        self.last_stats = SchedulerStats(num_kv_blocks_total=self.num_blocks)
+
+    # -- construction helpers -------------------------------------------------------------
+    def _kv_budget_bytes(
+        self,
+        args: EngineArgs,
+        model: LlamaForCausalLM,
+        model_config: ModelConfig,
+        scheduler_config: SchedulerConfig,
+    ) -> int:
+        """Return the KV cache budget: explicit bytes, or a memory fraction minus the rest."""
+        if self.cache_config.kv_cache_memory_bytes is not None:
+            return self.cache_config.kv_cache_memory_bytes
+        arch = model.config
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # Activations of the largest step: hidden states, fused projections and logits.
+        tokens = scheduler_config.max_num_batched_tokens
+        act_bytes = 4 * tokens * (4 * arch.hidden_size + 2 * arch.intermediate_size) * 2
+        act_bytes += scheduler_config.max_num_seqs * arch.vocab_size * 4 * 2
+        total = _device_memory_bytes(model_config.device)
+        budget = int(self.cache_config.gpu_memory_utilization * total) - weight_bytes - act_bytes
+        if model_config.device.type == "cpu" and self.cache_config.gpu_memory_utilization == 0.9:
+            budget = min(budget, _CPU_DEFAULT_KV_BYTES)
+        if budget <= 0:
+            raise ValueError(
+                f"no memory left for the KV cache: {total / GiB:.1f} GiB x "
+                f"{self.cache_config.gpu_memory_utilization} minus weights "
+                f"{weight_bytes / GiB:.2f} GiB and activations {act_bytes / GiB:.2f} GiB"
+            )
+        return budget
+
+    def _resolve_max_model_len(
+        self, model_config: ModelConfig, max_position_embeddings: int, capacity_tokens: int
+    ) -> int:
+        """Resolve max_model_len against the model's positions and the cache's capacity."""
+        requested = model_config.max_model_len
+        if requested is None:
+            return min(max_position_embeddings, capacity_tokens)
+        if requested > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {requested} exceeds the model's max_position_embeddings "
+                f"{max_position_embeddings}"
+            )
+        if requested > capacity_tokens:
+            raise ValueError(
+                f"max_model_len {requested} is larger than the KV cache can hold "
+                f"({capacity_tokens} tokens); raise the KV cache memory or lower max_model_len"
+            )
+        return requested
+
+    # -- the request API ------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time_s: float | None = None,
+    ) -> str:
+        """Validate and queue a request; return its id. Raises ValueError on bad input."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        self._validate_prompt(token_ids)
+        if request_id is None:
+            request_id = f"req-{next(self._req_counter)}"
+        if request_id in self.req_states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id, token_ids, params, self.tokenizer.eos_token_ids, arrival_time_s
+        )
+        limit = self.max_model_len
+        if params.max_tokens is not None:
+            limit = min(limit, len(token_ids) + params.max_tokens)
+        request.max_num_tokens = limit
+        if (
+            self.scheduler_config.scheduler == "static"
+            and cdiv(limit, self.cache_config.block_size) > self.num_blocks
+        ):
+            raise ValueError(
+                f"prompt + max_tokens ({limit} tokens) exceeds the whole KV cache "
+                f"({self.num_blocks * self.cache_config.block_size} tokens)"
+            )
+        self.req_states[request_id] = RequestState(request, text, self.tokenizer)
+        self.scheduler.add_request(request)
+        return request_id
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is "
+                f"{self.max_model_len} (room is needed for at least one generated token)"
+            )
+        vocab = self.model.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Stop requests now and free their blocks."""
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        for req_id in request_ids:
+            self.req_states.pop(req_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        """Return whether any request is waiting or running."""
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling iteration; return outputs of requests that got tokens."""
+        t0 = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out)
+        progressed = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs = []
+        for request, new_ids in progressed:
+            state = self.req_states[request.request_id]
+            stop = state.add_tokens(new_ids, runner_out.logprobs.get(request.request_id))
+            if stop is not None and not request.is_finished:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+                request.stop_reason = stop
+            elif stop is not None:
+                request.stop_reason = stop
+            outputs.append(state.make_output(request))
+            if request.is_finished:
+                del self.req_states[request.request_id]
+        stats = self.scheduler.make_stats()
+        stats.step_time_s = time.perf_counter() - t0
+        self.last_stats = stats
+        for log in self.stat_loggers:
+            log(stats)
+        return outputs
+
+
+def _load_tokenizer(model_path: str) -> Tokenizer:
+    """Load the tokenizer from a directory, or from a GGUF file's metadata."""
+    path = Path(model_path)
+    if path.is_dir():
+        return Tokenizer.from_dir(path)
+    from infer8.models.gguf_loader import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(path)
+
+
+__all__ = ["LLMEngine", "EngineArgs", "CacheConfig"]

@@ -1,0 +1,104 @@
+"""The offline LLM class, shaped like vLLM's: generate() and chat() over an LLMEngine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from infer8.config import EngineArgs
+from infer8.engine import LLMEngine
+from infer8.outputs import RequestOutput
+from infer8.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Owns one LLMEngine and runs batches of prompts to completion."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise TypeError(
+                f"unknown LLM option(s) {sorted(unknown)}; valid: {', '.join(EngineArgs.field_names())}"
+            )
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        """Return the engine's tokenizer."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}), in order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(prompts)} prompts but {len(params_list)} sampling params"
+                )
+        return self._run([_as_engine_prompt(p) for p in prompts], params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tok = self.engine.tokenizer
+        prompts: list[Prompt] = [
+            tok.encode_chat(conv, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        # Validate every prompt before queuing any, so a bad one leaves nothing half-run.
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(prompt, p))
+        except ValueError:
+            engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            unfinished = [i for i in ids if i not in results]
+            if unfinished:
+                engine.abort_request(unfinished)
+        return [results[i] for i in ids]
+
+
+def _as_engine_prompt(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        return prompt["prompt"]
+    return prompt

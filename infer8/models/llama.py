@@ -1,0 +1,258 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over flat, unpadded token batches."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer8.attention.metadata import AttentionMetadata
+from infer8.attention.torch_ref import paged_attention, write_kv
+from infer8.worker.kv_cache import LayerKVCache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class LlamaArchConfig:
+    """The architecture fields of a Hugging Face config.json that the model needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    torch_dtype: str | None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaArchConfig:
+        """Parse a config.json dict, refusing architectures this model does not implement."""
+        archs = cfg.get("architectures") or []
+        arch = (
+            archs[0]
+            if archs
+            else {
+                "llama": "LlamaForCausalLM",
+                "qwen2": "Qwen2ForCausalLM",
+                "mistral": "MistralForCausalLM",
+            }.get(cfg.get("model_type", ""), "")
+        )
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch or cfg.get('model_type')!r}; infer8 supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
+            rope_theta = cfg["rope_parameters"].get("rope_theta")
+            if (
+                rope_scaling is None
+                and cfg["rope_parameters"].get("rope_type", "default") != "default"
+            ):
+                rope_scaling = cfg["rope_parameters"]
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(
+                arch == "Qwen2ForCausalLM"
+                if cfg.get("attention_bias") is None
+                else cfg["attention_bias"]
+            ),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+
+def rope_inv_freq(cfg: LlamaArchConfig) -> tuple[torch.Tensor, float]:
+    """Return RoPE inverse frequencies [head_dim / 2] and a position scale, per rope_scaling."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d)
+    )
+    scaling = cfg.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq, 1.0 / scaling["factor"]
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(
+        f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)"
+    )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 as transformers does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize the last dim."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with a fused QKV projection, RoPE and the paged cache."""
+
+    def __init__(self, cfg: LlamaArchConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerKVCache,
+    ) -> torch.Tensor:
+        """Project, rotate, store K/V, attend."""
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        n = meta.num_real_tokens
+        write_kv(cache, k[:n], v[:n], meta.slot_mapping)
+        o = paged_attention(q, cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves of the head dim (transformers' rotate_half convention).
+
+    x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim / 2] in x's dtype.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate/up projection."""
+
+    def __init__(self, cfg: LlamaArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply silu(gate) * up, then project down."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block."""
+
+    def __init__(self, cfg: LlamaArchConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerKVCache,
+    ) -> torch.Tensor:
+        """Run one layer with residual connections."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus LM head; forward takes a flat batch of tokens."""
+
+    def __init__(self, cfg: LlamaArchConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        inv_freq, pos_scale = rope_inv_freq(cfg)
+        self._inv_freq = inv_freq
+        self._pos_scale = pos_scale
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def rope_tables(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Precompute cos/sin for positions [0, max_positions) on the model's device."""
+        pos = torch.arange(max_positions, dtype=torch.float64, device="cpu") * self._pos_scale
+        freqs = torch.outer(pos, self._inv_freq)  # [max_positions, head_dim / 2]
+        self.cos_table = freqs.cos().to(device=device, dtype=dtype)
+        self.sin_table = freqs.sin().to(device=device, dtype=dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[LayerKVCache],
+    ) -> torch.Tensor:
+        """Return final hidden states [num_tokens, hidden] for input_ids [num_tokens]."""
+        x = self.embed_tokens(input_ids)
+        cos = self.cos_table[positions].unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
+        sin = self.sin_table[positions].unsqueeze(1)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Return float32 logits [n, vocab] for hidden states [n, hidden]."""
+        return self.lm_head(hidden).float()

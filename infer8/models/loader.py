@@ -1,0 +1,143 @@
+"""Build a model from a Hugging Face directory (memory-mapped Safetensors) or a GGUF file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# Hugging Face parameter name -> (our parameter name, index of the shard in a fused weight)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+
+
+def read_hf_config(model_path: Path) -> dict[str, Any]:
+    """Read config.json of a model directory, with a clear error when it is missing."""
+    path = model_path / "config.json"
+    if not model_path.exists():
+        raise ValueError(f"model path {model_path} does not exist")
+    if not path.is_file():
+        raise ValueError(
+            f"{model_path} is not a Hugging Face model directory: it has no config.json "
+            "(pass a directory with config.json + *.safetensors, or a .gguf file)"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def iter_safetensors(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every shard, memory-mapped (no copy until cast)."""
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_path} has no *.safetensors weight files")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, int | None] | None:
+    """Map a Hugging Face weight name to our parameter and shard index (None if unused)."""
+    cfg = model.config
+    m = _LAYER_RE.match(name)
+    if m:
+        layer = model.layers[int(m.group(1))]
+        module, proj, kind = m.group(2), m.group(3), m.group(4)
+        parent = layer.self_attn if module == "self_attn" else layer.mlp
+        if proj in _FUSED:
+            fused_name, shard = _FUSED[proj]
+            return getattr(getattr(parent, fused_name), kind), shard
+        return getattr(getattr(parent, proj), kind), None
+    if name.startswith("model.layers."):
+        idx, rest = name[len("model.layers.") :].split(".", 1)
+        layer = model.layers[int(idx)]
+        if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            return getattr(layer, rest.split(".")[0]).weight, None
+        if "rotary_emb" in rest:
+            return None
+    if name == "model.embed_tokens.weight":
+        return model.embed_tokens.weight, None
+    if name == "model.norm.weight":
+        return model.norm.weight, None
+    if name == "lm_head.weight":
+        return (None if cfg.tie_word_embeddings else model.lm_head.weight), None
+    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+
+
+def _shard_slice(
+    param: torch.Tensor, model: LlamaForCausalLM, name: str, shard: int
+) -> torch.Tensor:
+    """Return the rows of a fused parameter that hold shard `shard`."""
+    cfg = model.config
+    if ".self_attn." in name:
+        q = cfg.num_attention_heads * cfg.head_dim
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+    else:
+        i = cfg.intermediate_size
+        bounds = [(0, i), (i, 2 * i)]
+    start, end = bounds[shard]
+    return param[start:end]
+
+
+def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy (and cast) checkpoint tensors into the model's parameters, checking coverage."""
+    covered: dict[int, int] = {}
+    for name, tensor in weights:
+        target = _target(model, name)
+        if target is None:
+            continue
+        param, shard = target
+        dest = param if shard is None else _shard_slice(param, model, name, shard)
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        covered[id(param)] = covered.get(id(param), 0) + dest.numel()
+    for pname, param in model.named_parameters():
+        if covered.get(id(param), 0) != param.numel():
+            raise ValueError(f"checkpoint is missing weights for {pname}")
+
+
+def load_model(
+    model_path: str, dtype: torch.dtype, device: torch.device
+) -> tuple[LlamaForCausalLM, dict[str, Any]]:
+    """Load a model directory or .gguf file; return the model and its config.json dict."""
+    path = Path(model_path)
+    if path.suffix == ".gguf" or (path.is_file() and path.read_bytes()[:4] == b"GGUF"):
+        from infer8.models.gguf_loader import load_gguf
+
+        gguf = load_gguf(path, dtype=torch.float32)
+        hf_config, weights = gguf.hf_config, iter(gguf.state_dict.items())
+    else:
+        hf_config = read_hf_config(path)
+        weights = iter_safetensors(path)
+    cfg = LlamaArchConfig.from_hf_config(hf_config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    with torch.no_grad():
+        load_weights(model, weights)
+    model.eval()
+    return model, hf_config

@@ -1,0 +1,167 @@
+"""Tokenizer, chat template and incremental detokenization (tokenizers + jinja2, no transformers)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _token_str(value: Any) -> str | None:
+    """Return a special token's text from tokenizer_config (str or AddedToken dict)."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """Owns the fast tokenizer, special tokens and the chat template of one model."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        tokenizer_config: dict[str, Any],
+        eos_token_ids: list[int],
+        chat_template: str | None,
+    ) -> None:
+        self._tok = tokenizer
+        self.config = tokenizer_config
+        self.bos_token = _token_str(tokenizer_config.get("bos_token"))
+        self.eos_token = _token_str(tokenizer_config.get("eos_token"))
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and the chat template from a directory."""
+        d = Path(model_dir)
+        if not (d / "tokenizer.json").is_file():
+            raise ValueError(f"{d} has no tokenizer.json")
+        tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
+        cfg = _read_json(d / "tokenizer_config.json")
+        template = cfg.get("chat_template")
+        if (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text()
+        elif (d / "chat_template.json").is_file():
+            template = _read_json(d / "chat_template.json").get("chat_template", template)
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        gen_cfg = _read_json(d / "generation_config.json")
+        model_cfg = _read_json(d / "config.json")
+        return cls(tok, cfg, _eos_ids(tok, cfg, gen_cfg, model_cfg), template)
+
+    @property
+    def vocab_size(self) -> int:
+        """Return the tokenizer's vocabulary size (added tokens included)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Return token ids for text."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Return the text of token ids."""
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_str(self, token_id: int) -> str:
+        """Return one token's decoded text."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render messages with the model's chat template."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use a completion prompt instead")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
+                x, indent=indent, ensure_ascii=False
+            )
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Return the prompt token ids of a chat (the template adds any BOS itself)."""
+        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+
+def _raise(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+def _eos_ids(
+    tok: HFTokenizer, cfg: dict[str, Any], gen_cfg: dict[str, Any], model_cfg: dict[str, Any]
+) -> list[int]:
+    """Collect EOS ids from generation_config, config and the tokenizer's eos_token."""
+    ids: list[int] = []
+    for source in (gen_cfg.get("eos_token_id"), model_cfg.get("eos_token_id")):
+        if source is not None:
+            ids.extend(source if isinstance(source, list) else [source])
+    eos = _token_str(cfg.get("eos_token"))
+    if eos is not None and tok.token_to_id(eos) is not None:
+        ids.append(tok.token_to_id(eos))
+    return sorted(set(ids))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas (vLLM's prefix/read offsets)."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # A few prompt tokens give the first output tokens their leading-space context.
+        self.token_ids = list(prompt_token_ids[-5:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+
+    def add_tokens(self, new_token_ids: list[int]) -> str:
+        """Append tokens; return the newly completed text (held back while a char is partial)."""
+        self.token_ids.extend(new_token_ids)
+        decode = self.tokenizer.decode
+        prefix = decode(
+            self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
+        )
+        full = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Return text still held back (an incomplete character) when the sequence ends."""
+        decode = self.tokenizer.decode
+        prefix = decode(
+            self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
+        )
+        full = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        delta = full[len(prefix) :]
+        self.text += delta
+        return delta

@@ -1,0 +1,92 @@
+"""execute(SchedulerOutput) -> ModelRunnerOutput: builds the flat batch, runs the model, samples."""
+
+from __future__ import annotations
+
+import torch
+
+from infer8.attention.metadata import build_attention_metadata
+from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from infer8.models.llama import LlamaForCausalLM
+from infer8.worker.kv_cache import LayerKVCache
+from infer8.worker.sampler import Sampler, SamplingState
+
+
+class ModelRunner:
+    """Owns the model, the KV-cache tensors and each request's token and sampling state."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[LayerKVCache],
+        block_size: int,
+        device: torch.device,
+        eos_token_ids: list[int],
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler(device, seed)
+        self.states: dict[str, SamplingState] = {}
+
+    def _token_ids(self, state: SamplingState) -> list[int]:
+        return state.prompt_token_ids + state.output_token_ids
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step of the model over the scheduled tokens and sample where due."""
+        for req_id in sched.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            p = new.sampling_params
+            gen = None
+            if p.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(p.seed)
+            self.states[new.req_id] = SamplingState(p, list(new.prompt_token_ids), [], gen)
+        if sched.is_empty:
+            return ModelRunnerOutput()
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for s in sched.scheduled:
+            tokens = self._token_ids(self.states[s.req_id])
+            end = s.num_computed_tokens + s.num_new_tokens
+            assert end <= len(tokens), f"{s.req_id}: scheduled past its known tokens"
+            input_ids.extend(tokens[s.num_computed_tokens : end])
+            positions.extend(range(s.num_computed_tokens, end))
+        # Static-batch padding: dummy tokens that go through every layer and attend to nothing.
+        input_ids.extend([0] * sched.num_padding_tokens)
+        positions.extend([0] * sched.num_padding_tokens)
+
+        meta = build_attention_metadata(
+            [s.num_new_tokens for s in sched.scheduled],
+            [s.num_computed_tokens for s in sched.scheduled],
+            [s.block_ids for s in sched.scheduled],
+            self.block_size,
+            self.device,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            meta,
+            self.kv_caches,
+        )
+        sample_rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
+        if not sample_rows:
+            return ModelRunnerOutput()
+        last_token_idx = torch.tensor(
+            [meta.query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device
+        )
+        logits = self.model.compute_logits(hidden[last_token_idx])  # [num_sampled, vocab]
+        states = [self.states[sched.scheduled[i].req_id] for i in sample_rows]
+        tokens, logprobs = self.sampler(logits, states, self.eos_token_ids)
+        out = ModelRunnerOutput()
+        for i, state, token, lp in zip(sample_rows, states, tokens, logprobs):
+            req_id = sched.scheduled[i].req_id
+            state.output_token_ids.append(token)
+            out.sampled_token_ids[req_id] = token
+            if lp is not None:
+                out.logprobs[req_id] = lp
+        return out
