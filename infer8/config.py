@@ -126,6 +126,8 @@ class CacheConfig:
             )
         if self.kv_scale not in ("dynamic", "static"):
             raise ValueError(f"kv_scale must be dynamic or static, got {self.kv_scale!r}")
+        if self.kv_scales_path is not None and self.kv_scale != "static":
+            raise ValueError("kv_scales_path is only used with kv_scale static")
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,14 @@ import dataclasses
 import itertools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from infer8.attention.torch_ref import TorchRefAttention
 from infer8.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from infer8.core.kv_cache_manager import KVCacheManager, cdiv
 from infer8.core.sched_output import SchedulerStats
@@ -20,6 +22,7 @@ from infer8.core.static_scheduler import StaticScheduler
 from infer8.models.llama import LlamaForCausalLM
 from infer8.models.loader import load_model
 from infer8.outputs import RequestOutput, RequestState
+from infer8.quant import kv_scales
 from infer8.request import Request, RequestStatus
 from infer8.sampling_params import SamplingParams
 from infer8.tokenizer import Tokenizer
@@ -60,7 +63,9 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         model_path = resolve_model_path(args.model)
         model_config, cache_config, scheduler_config = args.create_configs(model_path)
-        model, hf_config = load_model(model_path, model_config.dtype, model_config.device)
+        model, hf_config, ckpt_kv_scales = load_model(
+            model_path, model_config.dtype, model_config.device
+        )
         self.tokenizer = _load_tokenizer(model_path)
         self.model_config, self.cache_config, self.scheduler_config = (
             model_config,
@@ -92,6 +97,9 @@ class LLMEngine:
         model.rope_tables(self.max_model_len, model_config.device, model_config.dtype)
         kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, model_config.device)
         self.kv_caches = kv_caches
+        self.kv_scale_source = self._setup_kv_scales(ckpt_kv_scales)
+        use_compile = self.kv_spec.is_fp8 and not model_config.enforce_eager
+        model.set_attention_backend(TorchRefAttention(use_compile=use_compile))
         gib = self.num_blocks * self.kv_spec.bytes_per_block / GiB
         dtype_name = str(kv_dtype).removeprefix("torch.")
         print(
@@ -122,6 +130,46 @@ class LLMEngine:
         self.last_stats = SchedulerStats(num_kv_blocks_total=self.num_blocks)
 
     # -- construction helpers -------------------------------------------------------------
+    def _setup_kv_scales(self, ckpt_scales: dict[int, dict[str, torch.Tensor]]) -> str:
+        """Install static FP8 scales if asked for; return where scales come from.
+
+        Static mode without scales never falls back to 1.0: it says so loudly and uses
+        dynamic per-token scales instead ("dynamic (static scales missing)").
+        """
+        cfg, spec = self.cache_config, self.kv_spec
+        if not spec.is_fp8:
+            if cfg.kv_scale == "static":
+                logger.warning("--kv-scale static has no effect with a %s KV cache", spec.dtype)
+            return "none"
+        if cfg.kv_scale == "dynamic":
+            return "dynamic"
+        if cfg.kv_scales_path is not None:
+            scales = kv_scales.load_calibration(
+                cfg.kv_scales_path, spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim
+            )
+        else:
+            scales = kv_scales.from_checkpoint(
+                ckpt_scales, spec.num_layers, spec.num_kv_heads, spec.head_dim
+            )
+        if scales is None:
+            message = (
+                "WARNING: --kv-scale static was requested but the checkpoint has no k_scale/v_scale "
+                "tensors and no --kv-scales-path was given; NOT using a scale of 1.0: falling back "
+                "to dynamic per-token scales. Run `infer8 calibrate-kv MODEL --out scales.json`."
+            )
+            logger.warning(message)
+            print(message, file=sys.stderr, flush=True)
+            return "dynamic (static scales missing)"
+        device = self.model_config.device
+        for cache, k, v in zip(self.kv_caches, scales.k, scales.v):
+            cache.k_static_scale = k.to(device)
+            cache.v_static_scale = v.to(device)
+        return f"static ({scales.source})"
+
+    def kv_saturation_counts(self) -> list[int]:
+        """Return per-layer counts of K/V values clipped at the FP8 max on write."""
+        return [int(c.num_saturated) if c.num_saturated is not None else 0 for c in self.kv_caches]
+
     def _kv_budget_bytes(
         self,
         args: EngineArgs,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer8.attention.metadata import AttentionMetadata
-from infer8.attention.torch_ref import paged_attention, write_kv
+from infer8.attention.torch_ref import TorchRefAttention
 from infer8.worker.kv_cache import LayerKVCache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -145,6 +145,7 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        self.backend = TorchRefAttention()
 
     def forward(
         self,
@@ -161,8 +162,8 @@ class Attention(nn.Module):
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         n = meta.num_real_tokens
-        write_kv(cache, k[:n], v[:n], meta.slot_mapping)
-        o = paged_attention(q, cache, meta, self.scale)
+        self.backend.write_kv(cache, k[:n], v[:n], meta.slot_mapping)
+        o = self.backend.forward(q, cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -230,6 +231,11 @@ class LlamaForCausalLM(nn.Module):
         self._pos_scale = pos_scale
         for p in self.parameters():
             p.requires_grad_(False)
+
+    def set_attention_backend(self, backend: TorchRefAttention) -> None:
+        """Use one attention backend in every layer (chosen once at start-up)."""
+        for layer in self.layers:
+            layer.self_attn.backend = backend
 
     def rope_tables(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         """Precompute cos/sin for positions [0, max_positions) on the model's device."""

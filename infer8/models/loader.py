@@ -25,6 +25,11 @@ _FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+# KV-cache scales as vLLM / compressed-tensors name them: self_attn.k_scale, self_attn.v_scale,
+# legacy self_attn.kv_scale (also found under k_proj./v_proj.).
+_KV_SCALE_RE = re.compile(
+    r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?(k_scale|v_scale|kv_scale)$"
+)
 
 
 def read_hf_config(model_path: Path) -> dict[str, Any]:
@@ -98,10 +103,20 @@ def _shard_slice(
     return param[start:end]
 
 
-def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy (and cast) checkpoint tensors into the model's parameters, checking coverage."""
+def load_weights(
+    model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Copy (and cast) checkpoint tensors into the model's parameters, checking coverage.
+
+    Returns the checkpoint's KV-cache scales: layer -> {"k_scale"|"v_scale"|"kv_scale": tensor}.
+    """
     covered: dict[int, int] = {}
+    kv_scales: dict[int, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
+        m = _KV_SCALE_RE.match(name)
+        if m:
+            kv_scales.setdefault(int(m.group(1)), {})[m.group(2)] = tensor.float().clone()
+            continue
         target = _target(model, name)
         if target is None:
             continue
@@ -116,14 +131,20 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     for pname, param in model.named_parameters():
         if covered.get(id(param), 0) != param.numel():
             raise ValueError(f"checkpoint is missing weights for {pname}")
+    return kv_scales
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def load_model(
     model_path: str, dtype: torch.dtype, device: torch.device
-) -> tuple[LlamaForCausalLM, dict[str, Any]]:
-    """Load a model directory or .gguf file; return the model and its config.json dict."""
+) -> tuple[LlamaForCausalLM, dict[str, Any], dict[int, dict[str, torch.Tensor]]]:
+    """Load a model directory or .gguf file; return the model, its config dict, its KV scales."""
     path = Path(model_path)
-    if path.suffix == ".gguf" or (path.is_file() and path.read_bytes()[:4] == b"GGUF"):
+    if path.suffix == ".gguf" or (path.is_file() and _has_gguf_magic(path)):
         from infer8.models.gguf_loader import load_gguf
 
         gguf = load_gguf(path, dtype=torch.float32)
@@ -138,6 +159,6 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     with torch.no_grad():
-        load_weights(model, weights)
+        kv_scales = load_weights(model, weights)
     model.eval()
-    return model, hf_config
+    return model, hf_config, kv_scales

@@ -39,9 +39,14 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return (x.float() / scale.float()).clamp_(-m, m).to(dtype)
 
 
-def count_saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Return how many values of x / scale lie beyond the format max (clipped on write)."""
-    return ((x.float() / scale.float()).abs() > fp8_max(dtype)).sum()
+def quantize_counting(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize like `quantize`; also return how many values were clipped (a 0-d tensor)."""
+    m = fp8_max(dtype)
+    y = x.float() / scale.float()
+    num_saturated = (y.abs() > m).sum()
+    return y.clamp_(-m, m).to(dtype), num_saturated
 
 
 def dequantize(xq: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

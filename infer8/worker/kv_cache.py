@@ -58,6 +58,9 @@ class LayerKVCache:
     k_static_scale: torch.Tensor | None = None
     v_static_scale: torch.Tensor | None = None
     num_saturated: torch.Tensor | None = None  # [] int64, values clipped on write
+    # Calibration observers: per-channel running amax of K and V, [num_kv_heads, head_dim].
+    k_amax: torch.Tensor | None = None
+    v_amax: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:

