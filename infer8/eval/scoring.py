@@ -1,0 +1,45 @@
+"""Teacher-forced scoring through the engine's own paged-cache path (for accuracy harnesses)."""
+
+from __future__ import annotations
+
+import torch
+
+from infer8.attention.metadata import build_attention_metadata
+from infer8.engine import LLMEngine
+
+
+@torch.inference_mode()
+def score_tokens(engine: LLMEngine, token_ids: list[int], chunk_tokens: int = 512) -> torch.Tensor:
+    """Return float32 log-probabilities [len(token_ids), vocab] of each next token.
+
+    The sequence is prefilled in chunks exactly as the scheduler would serve it: each chunk's
+    K/V is written into (and, for an FP8 cache, quantized in) the paged cache, and attention
+    reads the cache back, so the numbers include the cache's quantization error.
+    """
+    assert not engine.has_unfinished_requests(), "score on an idle engine"
+    n = len(token_ids)
+    if n > engine.max_model_len:
+        raise ValueError(f"{n} tokens exceed max_model_len {engine.max_model_len}")
+    manager = engine.kv_cache_manager
+    req_id = "__score__"
+    if manager.allocate_slots(req_id, n) is None:
+        raise ValueError(f"the KV cache cannot hold {n} tokens")
+    try:
+        block_ids = manager.get_block_ids(req_id)
+        device = engine.model_config.device
+        out = []
+        for start in range(0, n, chunk_tokens):
+            chunk = token_ids[start : start + chunk_tokens]
+            meta = build_attention_metadata(
+                [len(chunk)], [start], [block_ids], engine.cache_config.block_size, device
+            )
+            hidden = engine.model(
+                torch.tensor(chunk, device=device),
+                torch.arange(start, start + len(chunk), device=device),
+                meta,
+                engine.kv_caches,
+            )
+            out.append(torch.log_softmax(engine.model.compute_logits(hidden), dim=-1))
+        return torch.cat(out)
+    finally:
+        manager.free(req_id)
