@@ -188,7 +188,9 @@ class LLMEngine:
         act_bytes += scheduler_config.max_num_seqs * arch.vocab_size * 4 * 2
         total = _device_memory_bytes(model_config.device)
         budget = int(self.cache_config.gpu_memory_utilization * total) - weight_bytes - act_bytes
-        if model_config.device.type == "cpu" and self.cache_config.gpu_memory_utilization == 0.9:
+        if model_config.device.type == "cpu":
+            # RAM is shared with everything else on the host: never take more than vLLM's CPU
+            # default without an explicit --kv-cache-memory-bytes.
             budget = min(budget, _CPU_DEFAULT_KV_BYTES)
         if budget <= 0:
             raise ValueError(
@@ -232,7 +234,7 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
-        self._validate_prompt(token_ids)
+        self.validate_request(token_ids, params)
         if request_id is None:
             request_id = f"req-{next(self._req_counter)}"
         if request_id in self.req_states:
@@ -256,7 +258,17 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return request_id
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    @property
+    def vocab_size(self) -> int:
+        """Return the model's vocabulary size (valid token ids are below it)."""
+        return self.model.config.vocab_size
+
+    def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if a request could never run (checked before it is queued)."""
+        vocab = self.vocab_size
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}")
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -264,7 +276,6 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is "
                 f"{self.max_model_len} (room is needed for at least one generated token)"
             )
-        vocab = self.model.config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import types
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from infer8.config import EngineArgs
@@ -100,6 +102,79 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
     return run_demo(engine_args_from(ns))
 
 
+def _cmd_eval_kv(ns: argparse.Namespace) -> int:
+    from infer8.eval.kv_accuracy import format_kv_report, run_kv_eval
+
+    result = run_kv_eval(engine_args_from(ns), num_tokens=ns.num_tokens, text=ns.text)
+    print(format_kv_report(result))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {ns.json}")
+    return 0
+
+
+def _cmd_eval_gsm8k(ns: argparse.Namespace) -> int:
+    from infer8.eval.gsm8k import run_gsm8k
+
+    kv_dtypes = ["auto", *[k for k in ns.compare_kv_cache_dtypes.split(",") if k]]
+    result = run_gsm8k(engine_args_from(ns), ns.data, kv_dtypes, ns.max_tokens, ns.limit)
+    for kv, group in result["groups"].items():
+        delta = (
+            f", delta {100 * group['accuracy_delta']:+.2f} pts" if "accuracy_delta" in group else ""
+        )
+        print(
+            f"{kv:<10} accuracy {100 * group['accuracy']:.2f}% "
+            f"({group['num_correct']}/{result['num_questions']}){delta}"
+        )
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _cmd_calibrate_kv(ns: argparse.Namespace) -> int:
+    from infer8.eval.kv_accuracy import calibrate_kv
+
+    data = calibrate_kv(
+        engine_args_from(ns), ns.out, ns.num_tokens, ns.text, ns.granularity, ns.margin
+    )
+    print(
+        f"wrote {ns.out}: {ns.granularity} amax over {data['num_tokens']} tokens; use it with "
+        f"--kv-cache-dtype fp8 --kv-scale static --kv-scales-path {ns.out}"
+    )
+    return 0
+
+
+def _add_eval_parsers(sub: Any) -> None:
+    """Register `eval kv`, `eval gsm8k` and `calibrate-kv`."""
+    ev = sub.add_parser("eval", help="accuracy harnesses").add_subparsers(
+        dest="eval", required=True
+    )
+    kv = ev.add_parser("kv", help="FP8 KV cache vs a 16/32-bit cache on real text")
+    add_engine_args(kv)
+    kv.set_defaults(func=_cmd_eval_kv, kv_cache_dtype="fp8_e4m3")
+    kv.add_argument("--num-tokens", type=int, default=2048)
+    kv.add_argument("--text", default="areopagitica.txt", help="shipped text name or a file path")
+    kv.add_argument("--json", default=None, help="write the result as JSON here")
+    gs = ev.add_parser("gsm8k", help="GSM8K exact match with each KV dtype (your JSONL file)")
+    add_engine_args(gs)
+    gs.set_defaults(func=_cmd_eval_gsm8k)
+    gs.add_argument("--data", required=True, help="GSM8K-format JSONL (question, answer '#### N')")
+    gs.add_argument("--compare-kv-cache-dtypes", default="fp8_e4m3,fp8_e5m2")
+    gs.add_argument("--max-tokens", type=int, default=256)
+    gs.add_argument("--limit", type=int, default=None)
+    gs.add_argument("--json", default=None)
+    cal = sub.add_parser(
+        "calibrate-kv", help="record K/V amax on sample text for static FP8 scales"
+    )
+    add_engine_args(cal)
+    cal.set_defaults(func=_cmd_calibrate_kv)
+    cal.add_argument("--out", required=True)
+    cal.add_argument("--num-tokens", type=int, default=2048)
+    cal.add_argument("--text", default="hamlet_act1.txt")
+    cal.add_argument("--granularity", choices=["layer", "head", "channel"], default="head")
+    cal.add_argument("--margin", type=float, default=1.0, help="multiply amax by this (headroom)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="infer8", description=__doc__)
@@ -120,6 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--chat", action="store_true", help="apply the chat template")
         elif name == "demo":
             add_engine_args(p)
+    from infer8.entrypoints.openai.cli_args import add_serve_parser
+
+    add_serve_parser(sub)
+    _add_eval_parsers(sub)
+    from infer8.plan import add_plan_args, run_plan
+
+    plan = sub.add_parser("plan", help="plan weights, KV capacity and sessions for a model+device")
+    add_plan_args(plan)
+    plan.set_defaults(func=run_plan)
     return parser
 
 

@@ -1,0 +1,360 @@
+"""AsyncLLMEngine: one thread drives the LLMEngine; asyncio callers submit requests and stream."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from infer8.engine import LLMEngine
+from infer8.metrics import EngineMetrics
+from infer8.outputs import CompletionOutput, RequestOutput
+from infer8.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How often the engine thread reads the FP8 saturation counters (a device sync on GPU).
+_SATURATION_REFRESH_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shut down or crashed); no request can run."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; the caller should retry later."""
+
+
+class RequestGroup:
+    """Owns the engine requests of one API request (its choices) and the queue of their outputs.
+
+    Outputs arrive as (index, RequestOutput). Each RequestOutput carries the cumulative text and
+    token ids plus this step's delta; its `logprobs` holds entries for `delta_token_ids` only.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompts: Sequence[list[int]],
+        params: Sequence[SamplingParams],
+        loop: asyncio.AbstractEventLoop,
+        engine: AsyncLLMEngine,
+    ) -> None:
+        assert len(prompts) == len(params) > 0
+        self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.prompts = list(prompts)
+        self.params = list(params)
+        self.arrival_time_s = time.monotonic()
+        self._loop = loop
+        self._engine = engine
+        self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+        self._is_finished = [False] * len(prompts)
+        self._is_closed = False
+
+    def put(self, item: tuple[int, RequestOutput] | BaseException) -> None:
+        """Hand an output or an error to the event loop (called from the engine thread)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (index, output) until every request of the group has finished."""
+        while not all(self._is_finished):
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._is_finished = [True] * len(self._is_finished)
+                raise item
+            index, output = item
+            if output.finished:
+                self._is_finished[index] = True
+            yield index, output
+
+    def abort(self) -> None:
+        """Abort the requests that have not finished (idempotent; safe from any code path)."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        unfinished = [rid for rid, done in zip(self.request_ids, self._is_finished) if not done]
+        if unfinished:
+            self._engine.abort(unfinished)
+
+
+@dataclass
+class _Tracked:
+    """The engine thread's record of one engine request."""
+
+    group: RequestGroup
+    index: int
+    num_prompt_tokens: int
+    is_admitted: bool = False
+    first_token_time_s: float | None = None
+    last_token_time_s: float | None = None
+    last_output: RequestOutput | None = None
+
+
+@dataclass
+class _AddCommand:
+    group: RequestGroup
+
+
+@dataclass
+class _AbortCommand:
+    request_ids: list[str]
+
+
+@dataclass
+class _StopCommand:
+    pass
+
+
+_Command = _AddCommand | _AbortCommand | _StopCommand
+
+
+class AsyncLLMEngine:
+    """Owns the engine thread: the only caller of the LLMEngine's add_request / abort / step.
+
+    Callers on an event loop submit with `add_requests` (which applies admission control) and
+    read `RequestGroup.stream()`; commands reach the thread through a thread-safe queue and
+    outputs come back with `loop.call_soon_threadsafe`. The thread blocks when idle.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: EngineMetrics | None = None,
+        max_waiting_requests: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _num_waiting and _dead_reason
+        self._num_waiting = 0  # submitted, not yet admitted to a batch the first time
+        self._dead_reason: str | None = None
+        self._thread: threading.Thread | None = None
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._last_saturation_read_s = 0.0
+
+    # -- the caller's side (event loop thread) ---------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread."""
+        assert self._thread is None, "already started"
+        self._thread = threading.Thread(target=self._run, name="infer8-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort what is left, stop the engine thread and wait for it."""
+        with self._lock:
+            if self._dead_reason is None:
+                self._dead_reason = "the server is shutting down"
+            self._commands.put(_StopCommand())
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def is_healthy(self) -> bool:
+        """Return whether the engine thread is running and accepting requests."""
+        return self._dead_reason is None and self._thread is not None and self._thread.is_alive()
+
+    def add_requests(
+        self, request_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+    ) -> RequestGroup:
+        """Submit one API request's engine requests; raise if overloaded or stopped."""
+        group = RequestGroup(request_id, prompts, params, asyncio.get_running_loop(), self)
+        with self._lock:
+            if self._dead_reason is not None:
+                raise EngineDeadError(self._dead_reason)
+            limit = self.max_waiting_requests
+            if limit is not None and self._num_waiting >= limit:
+                raise EngineOverloadedError(
+                    f"the server is overloaded ({self._num_waiting} requests waiting, "
+                    f"--max-waiting-requests {limit}); retry later"
+                )
+            self._num_waiting += len(prompts)
+            self._commands.put(_AddCommand(group))
+        return group
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Ask the engine thread to abort requests (their blocks are freed before its next step)."""
+        self._commands.put(_AbortCommand(list(request_ids)))
+
+    # -- the engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop_until_stopped()
+        except BaseException as e:  # noqa: BLE001 - the thread must report every death
+            logger.exception("the engine thread died")
+            self._die(EngineDeadError(f"the engine failed: {e!r}"))
+
+    def _loop_until_stopped(self) -> None:
+        engine = self.engine
+        while True:
+            commands = self._next_commands(block=not engine.has_unfinished_requests())
+            for command in commands:
+                if isinstance(command, _AddCommand):
+                    self._add(command.group)
+                elif isinstance(command, _AbortCommand):
+                    self._abort(command.request_ids)
+            if any(isinstance(c, _StopCommand) for c in commands):
+                self._abort(list(self._tracked))
+                self._publish_gauges(force_saturation=True)
+                return
+            if engine.has_unfinished_requests():
+                self._step()
+            self._publish_gauges(force_saturation=not engine.has_unfinished_requests())
+
+    def _next_commands(self, block: bool) -> list[_Command]:
+        """Return queued commands; when idle, wait for at least one instead of spinning."""
+        commands: list[_Command] = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, group: RequestGroup) -> None:
+        """Add a group's requests to the engine, all or none."""
+        added: list[str] = []
+        try:
+            for index, (request_id, prompt, params) in enumerate(
+                zip(group.request_ids, group.prompts, group.params)
+            ):
+                self.engine.add_request(prompt, params, request_id, group.arrival_time_s)
+                added.append(request_id)
+                self._tracked[request_id] = _Tracked(group, index, len(prompt))
+        except ValueError as e:
+            self.engine.abort_request(added)
+            for request_id in added:
+                del self._tracked[request_id]
+            self._release_waiting(len(group.request_ids))
+            group.put(e)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Abort tracked requests now; their consumers get a final output with reason abort."""
+        request_ids = [rid for rid in request_ids if rid in self._tracked]
+        if not request_ids:
+            return
+        self.engine.abort_request(request_ids)
+        for request_id in request_ids:
+            tracked = self._tracked.pop(request_id)
+            output = _aborted_output(request_id, tracked)
+            self._on_finished(tracked, output)
+            tracked.group.put((tracked.index, output))
+
+    def _step(self) -> None:
+        step_start_s = time.monotonic()
+        outputs = self.engine.step()
+        now_s = time.monotonic()
+        stats = self.engine.last_stats
+        if self.metrics is not None:
+            self.metrics.on_step(stats)
+        for request_id in stats.admitted_req_ids:
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and not tracked.is_admitted:
+                tracked.is_admitted = True
+                self._release_waiting(1)
+                if self.metrics is not None:
+                    self.metrics.on_admitted(step_start_s - tracked.group.arrival_time_s)
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            _keep_delta_logprobs(output.outputs[0])
+            self._on_tokens(tracked, output, now_s)
+            if output.finished:
+                del self._tracked[output.request_id]
+                self._on_finished(tracked, output)
+            tracked.group.put((tracked.index, output))
+
+    def _on_tokens(self, tracked: _Tracked, output: RequestOutput, now_s: float) -> None:
+        """Record token timing for the metrics."""
+        tracked.last_output = output
+        num_new = len(output.outputs[0].delta_token_ids)
+        if self.metrics is not None and num_new:
+            if tracked.first_token_time_s is None:
+                self.metrics.on_first_token(
+                    now_s - tracked.group.arrival_time_s, tracked.num_prompt_tokens
+                )
+            else:
+                assert tracked.last_token_time_s is not None
+                self.metrics.on_next_tokens((now_s - tracked.last_token_time_s) / num_new)
+            self.metrics.on_generation_tokens(num_new)
+        if num_new:
+            tracked.first_token_time_s = tracked.first_token_time_s or now_s
+            tracked.last_token_time_s = now_s
+
+    def _on_finished(self, tracked: _Tracked, output: RequestOutput) -> None:
+        if not tracked.is_admitted:
+            tracked.is_admitted = True  # never will be: it leaves the waiting count now
+            self._release_waiting(1)
+        if self.metrics is not None:
+            self.metrics.on_finished(
+                output.outputs[0].finish_reason or "abort",
+                time.monotonic() - tracked.group.arrival_time_s,
+            )
+
+    def _release_waiting(self, num: int) -> None:
+        with self._lock:
+            self._num_waiting -= num
+            assert self._num_waiting >= 0
+
+    def _publish_gauges(self, force_saturation: bool) -> None:
+        if self.metrics is None:
+            return
+        scheduler = self.engine.scheduler
+        self.metrics.set_load(
+            len(scheduler.running), len(scheduler.waiting), self.engine.kv_cache_manager.usage
+        )
+        now_s = time.monotonic()
+        if force_saturation or now_s - self._last_saturation_read_s >= _SATURATION_REFRESH_S:
+            self._last_saturation_read_s = now_s
+            self.metrics.set_fp8_saturated(
+                sum(
+                    int(c.num_saturated)
+                    for c in self.engine.kv_caches
+                    if c.num_saturated is not None
+                )
+            )
+
+    def _die(self, error: EngineDeadError) -> None:
+        """Fail every request in flight or queued, and refuse new ones."""
+        with self._lock:
+            self._dead_reason = str(error)
+            pending = self._next_commands(block=False)
+        groups = {id(t.group): t.group for t in self._tracked.values()}
+        groups.update({id(c.group): c.group for c in pending if isinstance(c, _AddCommand)})
+        self._tracked.clear()
+        for group in groups.values():
+            group.put(error)
+
+
+def _keep_delta_logprobs(completion: CompletionOutput) -> None:
+    """Replace the cumulative logprobs (still growing in the engine) by this step's entries."""
+    if completion.logprobs is not None:
+        num_new = len(completion.delta_token_ids)
+        completion.logprobs = completion.logprobs[len(completion.logprobs) - num_new :]
+
+
+def _aborted_output(request_id: str, tracked: _Tracked) -> RequestOutput:
+    """Return the final output of an aborted request: what it had, nothing new."""
+    last = tracked.last_output
+    if last is None:
+        completion = CompletionOutput(0, "", [], None, None)
+        prompt_token_ids = tracked.group.prompts[tracked.index]
+    else:
+        previous = last.outputs[0]
+        completion = dataclasses.replace(
+            previous,
+            delta_text="",
+            delta_token_ids=[],
+            logprobs=None if previous.logprobs is None else [],
+        )
+        prompt_token_ids = last.prompt_token_ids
+    completion.finish_reason = "abort"
+    return RequestOutput(request_id, None, prompt_token_ids, [completion], finished=True)

@@ -1,0 +1,170 @@
+"""Prometheus metrics under vLLM's names (plus infer8's own), in a per-server registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from infer8.config import CacheConfig
+from infer8.core.sched_output import SchedulerStats
+
+# vLLM's buckets, so dashboards built for vLLM read the same.
+_TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
+_TTFT_BUCKETS_S += [2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0]
+_ITL_BUCKETS_S += [2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_REQUEST_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0]
+_REQUEST_BUCKETS_S += [50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
+class EngineMetrics:
+    """Owns one server's collectors; the engine thread feeds them after each step and request."""
+
+    def __init__(
+        self,
+        model_name: str,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, name = self.registry, ["model_name"]
+        self.num_requests_running = Gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", name, registry=r
+        ).labels(model_name)
+        self.num_requests_waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to run.", name, registry=r
+        ).labels(model_name)
+        self.kv_cache_usage_perc = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (0-1).",
+            name,
+            registry=r,
+        ).labels(model_name)
+        self.num_preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative preemptions.", name, registry=r
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prefilled prompt tokens.", name, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens.", name, registry=r
+        ).labels(model_name)
+        success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.request_success = {
+            reason: success.labels(model_name, reason) for reason in FINISHED_REASONS
+        }
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            name,
+            buckets=_TTFT_BUCKETS_S,
+            registry=r,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between output tokens.",
+            name,
+            buckets=_ITL_BUCKETS_S,
+            registry=r,
+        ).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            name,
+            buckets=_REQUEST_BUCKETS_S,
+            registry=r,
+        ).labels(model_name)
+        self.request_queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time from arrival to first scheduling.",
+            name,
+            buckets=_REQUEST_BUCKETS_S,
+            registry=r,
+        ).labels(model_name)
+        config_labels = {
+            "block_size": str(cache_config.block_size),
+            "cache_dtype": cache_config.kv_cache_dtype.value,
+            "gpu_memory_utilization": str(cache_config.gpu_memory_utilization),
+            "num_gpu_blocks": str(num_blocks),
+            "kv_scale": cache_config.kv_scale,
+        }
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the cache config.",
+            list(config_labels),
+            registry=r,
+        ).labels(**config_labels).set(1)
+        # infer8's own
+        Gauge(
+            "infer8:kv_cache_capacity_tokens", "Tokens the KV cache holds.", name, registry=r
+        ).labels(model_name).set(num_blocks * cache_config.block_size)
+        self.fp8_saturated = Counter(
+            "infer8:kv_cache_fp8_saturated",
+            "KV values clipped to the FP8 range when written.",
+            name,
+            registry=r,
+        ).labels(model_name)
+        self.padded_tokens = Counter(
+            "infer8:padded_tokens",
+            "Dummy tokens computed to pad static batches.",
+            name,
+            registry=r,
+        ).labels(model_name)
+        self.rejected_requests = Counter(
+            "infer8:requests_rejected",
+            "Requests refused with 503 because the waiting queue was full.",
+            name,
+            registry=r,
+        ).labels(model_name)
+        self._num_saturated_seen = 0
+
+    def on_step(self, stats: SchedulerStats) -> None:
+        """Count one step's preemptions and padding."""
+        if stats.num_preemptions:
+            self.num_preemptions.inc(stats.num_preemptions)
+        if stats.num_padded_tokens:
+            self.padded_tokens.inc(stats.num_padded_tokens)
+
+    def set_load(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """Set the gauges of what the engine holds now."""
+        self.num_requests_running.set(num_running)
+        self.num_requests_waiting.set(num_waiting)
+        self.kv_cache_usage_perc.set(kv_cache_usage)
+
+    def set_fp8_saturated(self, num_saturated: int) -> None:
+        """Advance the saturation counter to the cache's cumulative count."""
+        if num_saturated > self._num_saturated_seen:
+            self.fp8_saturated.inc(num_saturated - self._num_saturated_seen)
+        self._num_saturated_seen = num_saturated
+
+    def on_admitted(self, queue_time_s: float) -> None:
+        """Record a request's first scheduling."""
+        self.request_queue_time.observe(queue_time_s)
+
+    def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        """Record a request's prefill and first token."""
+        self.time_to_first_token.observe(ttft_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_next_tokens(self, inter_token_latency_s: float) -> None:
+        """Record the latency of a later token."""
+        self.inter_token_latency.observe(inter_token_latency_s)
+
+    def on_generation_tokens(self, num_tokens: int) -> None:
+        """Count generated tokens."""
+        self.generation_tokens.inc(num_tokens)
+
+    def on_finished(self, finish_reason: str, e2e_latency_s: float) -> None:
+        """Record a finished request (stop, length or abort)."""
+        self.request_success[finish_reason].inc()
+        self.e2e_request_latency.observe(e2e_latency_s)
+
+    def on_rejected(self) -> None:
+        """Count a request refused for overload."""
+        self.rejected_requests.inc()

@@ -1,0 +1,262 @@
+"""`infer8 plan` against hand-computed numbers for real model shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from infer8.entrypoints.cli import CHOICES, main
+from infer8.plan import (
+    DEVICE_PRESETS,
+    KV_ELEMENT_BYTES,
+    MODEL_PRESETS,
+    GiB,
+    PlanInputs,
+    estimate_activation_bytes,
+    evaluate_claim,
+    load_model_shape,
+    plan_capacity,
+)
+
+H100 = DEVICE_PRESETS["h100-80gb"]
+QWEN72 = load_model_shape("qwen2-72b-instruct")
+SEED = PlanInputs(
+    model=QWEN72,
+    device=H100,
+    weight_dtype="bf16",
+    kv_cache_dtype="fp8_e4m3",
+    gpu_memory_utilization=0.94,
+    max_num_seqs=512,
+    max_num_batched_tokens=16384,
+)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(["plan", *argv])
+    return code, capsys.readouterr().out
+
+
+def test_parameter_counts_match_the_published_totals() -> None:
+    published = {
+        "qwen2-72b-instruct": 72_706_203_648,
+        "qwen2-7b-instruct": 7_615_616_512,
+        "llama-3-8b": 8_030_261_248,
+        "llama-3-70b": 70_553_706_496,
+        "smollm2-135m": 134_515_008,
+    }
+    assert {name: load_model_shape(name).num_params for name in MODEL_PRESETS} == published
+
+
+def test_qwen2_72b_count_by_hand_includes_the_qkv_biases() -> None:
+    h, inter, vocab, layers, q, kv = 8192, 29568, 152064, 80, 64 * 128, 8 * 128
+    per_layer = h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    assert QWEN72.num_params == layers * per_layer + h + 2 * vocab * h
+    assert QWEN72.attention_bias and not load_model_shape("llama-3-70b").attention_bias
+
+
+def test_qwen2_72b_kv_bytes_per_token() -> None:
+    def per_token(kv_cache_dtype: str, use_kv_scales: bool = True) -> int:
+        inputs = dataclasses.replace(
+            SEED, kv_cache_dtype=kv_cache_dtype, use_kv_scales=use_kv_scales
+        )
+        return plan_capacity(inputs).kv_bytes_per_token
+
+    # 80 layers x 8 KV heads x 128 head_dim x (K and V)
+    assert per_token("bfloat16") == 80 * 8 * 128 * 2 * 2 == 327_680
+    assert per_token("auto") == 327_680
+    assert per_token("fp8_e4m3", use_kv_scales=False) == 163_840
+    # infer8's FP8 cache: + one bf16 scale per token per KV head, for K and V, in every layer
+    assert per_token("fp8_e4m3") == 163_840 + 80 * 8 * 2 * 2 == 166_400
+
+
+def test_kv_bytes_per_token_agree_with_the_engine_cache_spec() -> None:
+    torch = pytest.importorskip("torch")
+    from infer8.worker.kv_cache import KVCacheSpec
+
+    for kv_cache_dtype, torch_dtype in [
+        ("bfloat16", torch.bfloat16),
+        ("fp8_e4m3", torch.float8_e4m3fn),
+    ]:
+        spec = KVCacheSpec(
+            num_layers=80, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch_dtype
+        )
+        plan = plan_capacity(dataclasses.replace(SEED, kv_cache_dtype=kv_cache_dtype))
+        assert plan.kv_bytes_per_token == spec.bytes_per_token
+
+
+def test_qwen2_72b_bf16_does_not_fit_one_80gb_card() -> None:
+    plan = plan_capacity(SEED)
+    assert QWEN72.weight_bytes("bf16") == 2 * 72_706_203_648
+    assert 135 < plan.weight_bytes_per_device / GiB < 136
+    assert not plan.fits
+    assert plan.max_concurrent_sessions == 0 and plan.decode_tokens_per_s_bound is None
+    assert "weights (bf16) need 135.43 GiB" in plan.problems[0]
+
+
+def test_seed_shapes_under_tensor_parallelism() -> None:
+    tp4 = plan_capacity(dataclasses.replace(SEED, tensor_parallel_size=4))
+    assert tp4.fits
+    assert tp4.weight_bytes_per_device == -(-QWEN72.weight_bytes("bf16") // 4)
+    assert tp4.kv_bytes_per_token_per_device == 166_400 // 4  # 2 of 8 KV heads per rank
+    # Past the 8 KV heads each rank keeps one head: replicated, not split further.
+    tp16 = plan_capacity(dataclasses.replace(SEED, tensor_parallel_size=16))
+    assert tp16.kv_bytes_per_token_per_device == 166_400 // 8
+
+
+@pytest.mark.parametrize(("model", "tp"), [("qwen2-72b-instruct", 3), ("smollm2-135m", 2)])
+def test_tensor_parallel_size_must_divide_the_attention_heads(model: str, tp: int) -> None:
+    with pytest.raises(ValueError, match="does not divide the .* attention heads"):
+        dataclasses.replace(SEED, model=load_model_shape(model), tensor_parallel_size=tp)
+
+
+def test_tensor_parallel_size_must_split_or_replicate_kv_heads() -> None:
+    # Qwen2-7B: 28 heads, 4 KV heads; TP 14 divides 28 but is no multiple of 4.
+    with pytest.raises(ValueError, match="KV heads"):
+        dataclasses.replace(
+            SEED, model=load_model_shape("qwen2-7b-instruct"), tensor_parallel_size=14
+        )
+
+
+def test_quantized_weight_bytes() -> None:
+    linear = QWEN72.num_linear_params
+    rest = QWEN72.num_params - linear  # embeddings, LM head, norms, biases stay bf16
+    assert QWEN72.weight_bytes("fp8") == linear + 2 * rest
+    assert QWEN72.weight_bytes("int4") == linear // 2 + 2 * (linear // 128) + 2 * rest
+    assert 70.0 < QWEN72.weight_bytes("fp8") / GiB < 70.1
+
+
+def test_activation_reserve_is_the_engine_estimate() -> None:
+    expected = 4 * 16384 * (4 * 8192 + 2 * 29568) * 2 + 512 * 152064 * 4 * 2
+    assert estimate_activation_bytes(SEED) == expected
+    assert plan_capacity(SEED).activation_reserve_bytes == expected
+    given = dataclasses.replace(SEED, activation_reserve_bytes=2 * GiB)
+    assert plan_capacity(given).activation_reserve_bytes == 2 * GiB
+
+
+def test_llama3_8b_plan_by_hand() -> None:
+    inputs = PlanInputs(
+        model=load_model_shape("llama-3-8b"),
+        device=H100,
+        kv_cache_dtype="bfloat16",
+        gpu_memory_utilization=0.9,
+        max_model_len=8192,
+        activation_reserve_bytes=2 * GiB,
+    )
+    plan = plan_capacity(inputs)
+    weights = 8_030_261_248 * 2
+    per_token = 32 * 8 * 128 * 2 * 2
+    budget = int(0.9 * int(79.11 * GiB)) - weights - 2 * GiB
+    num_blocks = budget // (per_token * 16)
+    sessions = num_blocks // (8192 // 16)
+    assert plan.kv_bytes_per_token == per_token == 131_072
+    assert plan.kv_budget_bytes == budget
+    assert plan.max_kv_tokens == num_blocks * 16
+    assert plan.max_concurrent_sessions == sessions == 54
+    step_s = (weights + sessions * 8192 * per_token) / 3350e9
+    assert plan.decode_tokens_per_s_bound == pytest.approx(sessions / step_s)
+    assert plan.fits
+
+
+def test_a_context_longer_than_the_kv_budget_does_not_fit() -> None:
+    inputs = PlanInputs(
+        model=load_model_shape("llama-3-8b"),
+        device=DEVICE_PRESETS["l4-24gb"],
+        max_model_len=65536,
+    )
+    plan = plan_capacity(inputs)
+    assert plan.max_kv_tokens > 0 and plan.max_concurrent_sessions == 0
+    assert not plan.fits and "one 65536-token session needs" in plan.problems[0]
+
+
+def test_seed_claim_needs_more_than_fp8_kv() -> None:
+    claim = evaluate_claim(SEED, 64, 384)
+    assert claim.kv_factor == pytest.approx(327_680 / 166_400)
+    assert claim.missing_factor == pytest.approx(6 / (327_680 / 166_400))
+    text = "\n".join(claim.lines)
+    assert "no bf16-weight baseline of 64 sessions can exist here" in text
+    assert "verdict: cannot hold" in text
+    scale_less = evaluate_claim(dataclasses.replace(SEED, use_kv_scales=False), 64, 384)
+    assert scale_less.kv_factor == 2.0 and scale_less.missing_factor == 3.0
+    # Four cards per replica with fp8 weights: fp8 weights add budget, still short of 6x.
+    tp4 = evaluate_claim(
+        dataclasses.replace(SEED, weight_dtype="fp8", tensor_parallel_size=4), 64, 384
+    )
+    assert tp4.weights_factor is not None and 1.0 < tp4.weights_factor < 3.0
+    assert 1.0 < tp4.missing_factor < claim.missing_factor
+    plan = plan_capacity(dataclasses.replace(SEED, weight_dtype="fp8", tensor_parallel_size=4))
+    assert tp4.max_context_for_claim == plan.max_kv_tokens // 384 // 16 * 16
+
+
+def test_cli_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli(
+        capsys,
+        *("--model", "qwen2-72b-instruct", "--device", "h100-80gb", "--kv-cache-dtype", "fp8"),
+        *("--gpu-memory-utilization", "0.94", "--json"),
+    )
+    obj = json.loads(out)
+    assert code == 1 and obj["fits"] is False
+    assert obj["kv_bytes_per_token"] == 166_400
+    for key in (
+        "weights_gib_per_device",
+        "kv_budget_gib",
+        "max_kv_tokens",
+        "max_concurrent_sessions",
+        "decode_tokens_per_s_bound",
+    ):
+        assert key in obj
+    assert obj["weights_gib_per_device"] == 135.43
+
+
+def test_cli_sweep_prints_one_row_per_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "qwen2-72b-instruct", "--kv-cache-dtype", "fp8_e4m3"]
+    argv += ["--weight-dtype", "bf16", "fp8", "--tensor-parallel-size", "1", "2", "4"]
+    code, out = run_cli(capsys, *argv, "--json")
+    plans = json.loads(out)["plans"]
+    assert [(p["weight_dtype"], p["tensor_parallel_size"]) for p in plans] == [
+        (w, tp) for w in ("bf16", "fp8") for tp in (1, 2, 4)
+    ]
+    assert code == 1  # bf16 at TP 1 does not fit
+    _, table = run_cli(capsys, *argv)
+    assert len([line for line in table.splitlines() if line.startswith("| bf16")]) == 3
+
+
+def test_cli_reads_a_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = dict(MODEL_PRESETS["qwen2-7b-instruct"], model_type="qwen2", torch_dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _, from_dir = run_cli(capsys, "--model", str(tmp_path), "--json")
+    _, from_file = run_cli(capsys, "--model", str(tmp_path / "config.json"), "--json")
+    _, preset = run_cli(capsys, "--model", "qwen2-7b-instruct", "--json")
+    for out in (from_dir, from_file):
+        obj, expected = json.loads(out), json.loads(preset)
+        assert obj["num_params"] == expected["num_params"] == 7_615_616_512
+        assert obj["max_concurrent_sessions"] == expected["max_concurrent_sessions"]
+
+
+def test_cli_reports_bad_input_as_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "qwen2-72b-instruct", "-tp", "3"]) == 2
+    assert "does not divide the 64 attention heads" in capsys.readouterr().err
+    assert main(["plan", "--model", "no-such-model"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+
+
+def test_cli_custom_device_and_text_report(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli(
+        capsys, "--model", "smollm2-135m", "--memory-gib", "16", "--bandwidth-gbps", "100"
+    )
+    assert code == 0
+    assert "(16.00 GiB, 100 GB/s)" in out and "fits                yes" in out
+    assert "assumptions:" in out
+
+
+def test_plan_flags_follow_the_engine_flags() -> None:
+    from infer8.config import EngineArgs
+
+    defaults = EngineArgs()
+    inputs = PlanInputs(model=QWEN72, device=H100)
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization"):
+        assert getattr(inputs, name) == getattr(defaults, name), name
+    assert inputs.kv_cache_dtype == defaults.kv_cache_dtype
+    assert list(KV_ELEMENT_BYTES) == CHOICES["kv_cache_dtype"]

@@ -1,0 +1,137 @@
+"""`infer8 serve` / api_server flags: vLLM's seed command line, bad flags, no drift, protocol."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from infer8.config import EngineArgs
+from infer8.entrypoints.cli import build_parser
+from infer8.entrypoints.openai import api_server
+from infer8.entrypoints.openai.cli_args import ServerConfig, make_serve_parser, serve_args_from
+from infer8.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+SEED_ARGS = [
+    "--model=/models/llama",
+    "--kv-cache-dtype=fp8_e4m3",
+    "--gpu-memory-utilization=0.94",
+    "--max-num-seqs=512",
+    "--max-num-batched-tokens=16384",
+    "--enforce-eager",
+]
+
+
+def test_seed_command_line_parses_with_vllm_meaning() -> None:
+    engine_args, server = serve_args_from(make_serve_parser().parse_args(SEED_ARGS))
+    assert engine_args.model == "/models/llama"
+    assert engine_args.kv_cache_dtype == "fp8_e4m3"
+    assert engine_args.gpu_memory_utilization == 0.94
+    assert (engine_args.max_num_seqs, engine_args.max_num_batched_tokens) == (512, 16384)
+    assert engine_args.enforce_eager is True
+    assert (server.host, server.port) == ("0.0.0.0", 8000)
+
+
+def test_serve_subcommand_takes_a_positional_model_and_server_flags() -> None:
+    ns = build_parser().parse_args(
+        [
+            "serve",
+            "/models/x",
+            "--port",
+            "9001",
+            "--api-key",
+            "k",
+            "--max-model-len",
+            "2048",
+            "--served-model-name",
+            "m",
+            "--scheduler",
+            "static",
+            "--block-size",
+            "32",
+            "--dtype",
+            "bfloat16",
+            "--kv-cache-memory-bytes",
+            "1000000",
+            "--host",
+            "127.0.0.1",
+        ]
+    )
+    engine_args, server = serve_args_from(ns)
+    assert engine_args.model == "/models/x" and engine_args.max_model_len == 2048
+    assert (engine_args.served_model_name, engine_args.scheduler) == ("m", "static")
+    assert (engine_args.block_size, engine_args.kv_cache_memory_bytes) == (32, 1000000)
+    assert (server.port, server.api_key, server.host) == (9001, "k", "127.0.0.1")
+    assert ns.func.__name__ == "_cmd_serve"
+
+
+def test_flags_and_dataclasses_do_not_drift() -> None:
+    parser = make_serve_parser()
+    ns = parser.parse_args([])
+    dests = {a.dest for a in parser._actions} - {"help", "model_flag"}
+    fields = {f.name for f in dataclasses.fields(EngineArgs)} | {
+        f.name for f in dataclasses.fields(ServerConfig)
+    }
+    assert dests == fields
+    engine_args, server = serve_args_from(ns)
+    assert engine_args == EngineArgs() and server == ServerConfig()
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--kv-cache-dtype=fp9"], ["fp8_e4m3", "fp8_e5m2"]),  # lists the valid choices
+        (["--scheduler=fifo"], ["continuous", "static"]),
+        (["--no-such-flag"], ["--no-such-flag"]),
+        (["--max-num-seqs=many"], ["--max-num-seqs"]),
+        (["--block-size=7"], ["block_size"]),
+        (["--gpu-memory-utilization=1.5"], ["gpu_memory_utilization"]),
+        (["--port=70000"], ["port"]),
+        (["--max-waiting-requests=-1"], ["max_waiting_requests"]),
+        (["--uvicorn-log-level=loud"], ["debug", "info"]),
+    ],
+)
+def test_bad_flags_exit_2_before_loading(
+    argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        api_server.main(["--model=/does/not/matter", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_missing_model_path_fails_without_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    assert api_server.main(["--model=/no/such/model"]) == 2
+    assert "not a local path" in capsys.readouterr().err
+
+
+def test_request_fields_map_to_sampling_params() -> None:
+    request = CompletionRequest.model_validate(
+        {
+            "prompt": "x",
+            "temperature": 0,
+            "top_k": -1,
+            "min_p": 0.1,
+            "repetition_penalty": 1.2,
+            "stop": "END",
+            "stop_token_ids": [3],
+            "ignore_eos": True,
+            "min_tokens": 2,
+            "seed": 2**63 - 1,
+        }
+    )
+    params = request.sampling_params(max_tokens=10, logprobs=3, seed_offset=1)
+    assert (params.temperature, params.top_k, params.min_p) == (0.0, 0, 0.1)
+    assert (params.repetition_penalty, params.stop, params.stop_token_ids) == (1.2, ["END"], [3])
+    assert (params.ignore_eos, params.min_tokens, params.max_tokens) == (True, 2, 10)
+    assert params.logprobs == 3 and params.seed == -(2**63)  # seed + choice wraps in int64
+    chat = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+            "max_tokens": 5,
+            "max_completion_tokens": 7,
+        }
+    )
+    assert chat.requested_max_tokens == 7
+    assert chat.messages[0].to_template_dict() == {"role": "user", "content": "a"}
