@@ -50,9 +50,10 @@ class KVCacheSpec:
 class LayerKVCache:
     """One layer's cache: K and V blocks, plus per-token-head scales when stored as FP8."""
 
-    k: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    k_scale: torch.Tensor | None  # [num_blocks, block_size, num_kv_heads] (fp8 only)
+    # Head-major, so one KV head's gathered blocks are contiguous [tokens, head_dim] matrices.
+    k: torch.Tensor  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v: torch.Tensor  # [num_kv_heads, num_blocks, block_size, head_dim]
+    k_scale: torch.Tensor | None  # [num_kv_heads, num_blocks, block_size] (fp8 only)
     v_scale: torch.Tensor | None
     # Static scales (per KV head or per channel, broadcast over tokens); None means dynamic.
     k_static_scale: torch.Tensor | None = None
@@ -65,14 +66,14 @@ class LayerKVCache:
     @property
     def block_size(self) -> int:
         """Return tokens per block."""
-        return self.k.shape[1]
+        return self.k.shape[2]
 
 
 def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, device: torch.device
 ) -> list[LayerKVCache]:
     """Allocate zeroed cache tensors for every layer (zeros: masked slots must not hold NaN)."""
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
     layers = []
     for _ in range(spec.num_layers):
         scale_shape = shape[:-1]
