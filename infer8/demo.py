@@ -48,7 +48,10 @@ def _run_workload(llm: LLM, num_requests: int, seed: int) -> dict[str, float]:
 
 
 def run_demo(args: EngineArgs, num_requests: int = 16) -> int:
-    """Chat with the model, then print a continuous-vs-static comparison."""
+    """Chat with the model, then compare static/continuous batching and bf16/fp8 KV caches."""
+    # one fixed KV budget for every group, so capacities compare at equal memory
+    if args.kv_cache_memory_bytes is None:
+        args = dataclasses.replace(args, kv_cache_memory_bytes=512 << 20)
     llm = LLM(**dataclasses.asdict(args))
     greedy = SamplingParams(max_tokens=48, temperature=0.0)
     print("\n== Chat (greedy) ==")
@@ -57,21 +60,27 @@ def run_demo(args: EngineArgs, num_requests: int = 16) -> int:
     ):
         print(f"> {q}\n{out.outputs[0].text.strip()}\n")
 
-    print(f"== {num_requests} requests, output lengths 16..128 tokens ==")
+    print(f"== {num_requests} requests, output lengths 16..128 tokens, same KV memory ==")
+    groups = [("static", "auto"), ("continuous", "auto"), ("continuous", "fp8_e4m3")]
     rows = []
-    for policy in ("continuous", "static"):
-        engine_llm = (
-            llm
-            if policy == args.scheduler
-            else LLM(**dataclasses.asdict(dataclasses.replace(args, scheduler=policy)))
-        )
-        rows.append((policy, args.kv_cache_dtype, _run_workload(engine_llm, num_requests, seed=0)))
-    print(f"{'scheduler':<12}{'kv dtype':<10}{'output tok/s':>14}{'padding %':>11}{'steps':>7}")
-    for policy, kv, r in rows:
+    for policy, kv in groups:
+        group_args = dataclasses.replace(args, scheduler=policy, kv_cache_dtype=kv)
+        group_llm = llm if group_args == args else LLM(**dataclasses.asdict(group_args))
+        engine = group_llm.engine
+        capacity = engine.num_blocks * engine.cache_config.block_size
+        kv_name = str(engine.kv_spec.dtype).removeprefix("torch.")
+        rows.append((policy, kv_name, capacity, _run_workload(group_llm, num_requests, seed=0)))
+    print(
+        f"{'scheduler':<12}{'kv dtype':<15}{'KV tokens':>10}{'output tok/s':>14}{'padding %':>11}"
+    )
+    for policy, kv, capacity, r in rows:
         print(
-            f"{policy:<12}{kv:<10}{r['output_tokens_per_s']:>14.1f}{r['padding_waste_pct']:>11.1f}"
-            f"{r['steps']:>7}"
+            f"{policy:<12}{kv:<15}{capacity:>10}{r['output_tokens_per_s']:>14.1f}"
+            f"{r['padding_waste_pct']:>11.1f}"
         )
-    speedup = rows[0][2]["output_tokens_per_s"] / rows[1][2]["output_tokens_per_s"]
-    print(f"continuous / static throughput: {speedup:.2f}x")
+    static, cont, f8 = (r[3]["output_tokens_per_s"] for r in rows)
+    print(
+        f"continuous / static throughput: {cont / static:.2f}x; fp8 / bf16 KV capacity: "
+        f"{rows[2][2] / rows[1][2]:.2f}x at {f8 / cont:.2f}x the throughput"
+    )
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,8 @@ from torch import nn
 from infer8.attention.metadata import AttentionMetadata
 from infer8.attention.torch_ref import TorchRefAttention
 from infer8.worker.kv_cache import LayerKVCache
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -77,7 +80,7 @@ class LlamaArchConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=_max_positions(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(
                 arch == "Qwen2ForCausalLM"
@@ -86,6 +89,19 @@ class LlamaArchConfig:
             ),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         )
+
+
+def _max_positions(cfg: dict[str, Any]) -> int:
+    """Return the usable context: sliding-window attention is not implemented, so cap at it."""
+    limit = cfg.get("max_position_embeddings", 4096)
+    window = cfg.get("sliding_window")
+    uses_window = cfg.get(
+        "use_sliding_window", True
+    )  # Qwen2 configs carry a window but turn it off
+    if window and uses_window and window < limit:
+        logger.warning("sliding_window=%d is not implemented: limiting the context to it", window)
+        return int(window)
+    return int(limit)
 
 
 def rope_inv_freq(cfg: LlamaArchConfig) -> tuple[torch.Tensor, float]:

@@ -110,3 +110,52 @@ def test_static_baseline_matches_continuous_and_reports_padding(llama_dir: Path)
     expected = sum(max(lens) - n for n in lens) + sum(12 - n for n in (3, 12, 7, 5))
     assert padded["static"] == expected
     assert padded["continuous"] == 0
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "linear", "factor": 2.0},
+    ],
+)
+def test_rope_scaling_matches_transformers(rope_scaling: dict, tmp_path: Path) -> None:
+    from tests.utils import build_tiny_model
+
+    model_dir = build_tiny_model(
+        tmp_path / "m", "llama", rope_scaling=rope_scaling, rope_theta=10000.0
+    )
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory_bytes=1 << 22)
+    seen = _record_logits(llm)
+    prompt = list(range(20, 120))  # past original_max_position_embeddings
+    generated = (
+        llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
+    ref = hf_model(model_dir)
+    assert ref.config.rope_parameters["rope_type"] == rope_scaling["rope_type"]
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([prompt + generated[:-1]])).logits[0]
+    for i, ours in enumerate(seen):
+        err = (ours[0] - ref_logits[len(prompt) - 1 + i]).abs().max().item()
+        assert err < 1e-4, err
+
+
+def test_mistral_sliding_window_caps_the_context(tmp_path: Path) -> None:
+    import json
+
+    from tests.utils import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "m", "llama")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=128)
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory_bytes=1 << 22)
+    assert llm.engine.max_model_len == 128
