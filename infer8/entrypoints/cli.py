@@ -29,6 +29,10 @@ HELP: dict[str, str] = {
     "gpu_memory_utilization": "fraction of device memory (RAM on CPU) for weights+activations+KV",
     "kv_scale": "FP8 KV scaling: dynamic per-token scales, or static per-layer scales",
     "kv_scales_path": "JSON file of static KV scales made by `infer8 calibrate-kv`",
+    "enable_prefix_caching": "reuse the KV blocks of prompt prefixes across requests "
+    "(ignored by --scheduler static)",
+    "tensor_parallel_size": "split the model over N processes, one per device (under torchrun: "
+    "one per launched rank)",
 }
 
 
@@ -204,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="plan weights, KV capacity and sessions for a model+device")
     add_plan_args(plan)
     plan.set_defaults(func=run_plan)
+    from infer8.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,359 @@
+"""`infer8 bench throughput | serve | capacity | compare`: flags, runs, and where results go."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from infer8.bench.workload import LengthSpec
+from infer8.entrypoints.cli import add_engine_args, engine_args_from
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", default=None, metavar="PATH", help="write the full result as JSON")
+    p.add_argument("--markdown", default=None, metavar="PATH", help="write the markdown report")
+    p.add_argument("--plot-dir", default=None, metavar="DIR", help="write PNG plots here")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
+
+
+def _add_workload_args(
+    p: argparse.ArgumentParser, num_requests: int, input_len: str, output_len: str
+) -> None:
+    """Add the workload flags; the workload's seed is --seed (the engine's, where there is one)."""
+    spec_help = "N (fixed), uniform:LOW:HIGH, or lognormal:MEDIAN[:SIGMA[:MAX]] (long-tailed)"
+    p.add_argument("--num-requests", "--num-prompts", type=int, default=num_requests)
+    p.add_argument(
+        "--input-len",
+        type=LengthSpec.parse,
+        default=input_len,
+        help=f"prompt tokens: {spec_help} (default: {input_len})",
+    )
+    p.add_argument(
+        "--output-len",
+        type=LengthSpec.parse,
+        default=output_len,
+        help=f"output tokens: {spec_help} (default: {output_len})",
+    )
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(v for v in value.split(",") if v)
+
+
+def add_bench_parser(sub: Any) -> None:
+    """Register `infer8 bench` and its subcommands on the top-level subparsers."""
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, capacity, compare")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+
+    tp = bsub.add_parser("throughput", help="offline throughput and step stats of one engine")
+    add_engine_args(tp)
+    _add_workload_args(tp, 64, "128", "128")
+    tp.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="send this cap and stop each request at its output length "
+        "(as EOS would); default: max_tokens = output length",
+    )
+    tp.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    tp.add_argument(
+        "--peak-matmul-size",
+        type=int,
+        default=2048,
+        help="matmul size for the machine's peak FLOP/s (0: skip)",
+    )
+    _add_output_args(tp)
+    tp.set_defaults(func=_cmd_throughput)
+
+    sv = bsub.add_parser("serve", help="streaming load against any OpenAI-compatible server")
+    sv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    sv.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    sv.add_argument(
+        "--model", default=None, help="model name to send (default: the server's first)"
+    )
+    sv.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF dir or .gguf whose tokenizer cuts the prompts (default: infer8's default model)",
+    )
+    sv.add_argument("--api-key", default=None)
+    _add_workload_args(sv, 200, "128", "128")
+    sv.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s with Poisson arrivals (default inf: all at once)",
+    )
+    sv.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of inter-arrival times (1.0: Poisson)",
+    )
+    sv.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="closed loop: at most this many requests in flight",
+    )
+    sv.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos (a vLLM / llama.cpp extra) so outputs run to max_tokens",
+    )
+    sv.add_argument("--temperature", type=float, default=0.0)
+    sv.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)",
+    )
+    sv.add_argument(
+        "--no-stream-usage",
+        action="store_true",
+        help="do not send stream_options.include_usage (for servers that refuse it)",
+    )
+    sv.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default={},
+        help="JSON object merged into every request body",
+    )
+    sv.add_argument("--timeout-s", type=float, default=600.0)
+    sv.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts and arrivals")
+    _add_output_args(sv)
+    sv.set_defaults(func=_cmd_serve)
+
+    cp = bsub.add_parser("capacity", help="concurrent sessions that fit a fixed KV budget")
+    add_engine_args(cp)
+    cp.add_argument(
+        "--context-len", type=int, default=1024, help="tokens each session holds (prompt + output)"
+    )
+    cp.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        help="static: prompt tokens (default: context_len / 2)",
+    )
+    cp.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="static: the max_tokens a client sends and static reserves (default: context_len)",
+    )
+    cp.add_argument("--schedulers", type=_csv, default=("static", "continuous"))
+    cp.add_argument("--kv-cache-dtypes", type=_csv, default=("bfloat16", "fp8_e4m3"))
+    _add_output_args(cp)
+    cp.set_defaults(func=_cmd_capacity)
+
+    cm = bsub.add_parser("compare", help="{static, continuous} x {bf16, fp8} KV on one workload")
+    add_engine_args(cm)
+    _add_workload_args(cm, 64, "128", "uniform:20:150")
+    cm.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="the cap every request is sent with (default: the longest output)",
+    )
+    cm.add_argument("--schedulers", type=_csv, default=("static", "continuous"))
+    cm.add_argument("--kv-cache-dtypes", type=_csv, default=("bfloat16", "fp8_e4m3"))
+    cm.add_argument(
+        "--hf-baseline",
+        action="store_true",
+        help="also run Hugging Face transformers generate (static batches)",
+    )
+    cm.add_argument("--hf-batch-size", type=int, default=32)
+    cm.add_argument(
+        "--eval-tokens",
+        type=int,
+        default=2048,
+        help="tokens for the FP8 accuracy delta (infer8 eval kv); 0 skips it",
+    )
+    cm.add_argument("--eval-text", default="areopagitica.txt")
+    cm.add_argument("--peak-matmul-size", type=int, default=2048)
+    _add_output_args(cm)
+    cm.set_defaults(func=_cmd_compare)
+
+
+def _emit(ns: argparse.Namespace, result: dict[str, Any], markdown: str) -> None:
+    """Print the markdown and write the files asked for."""
+    from infer8.bench.report import write_json, write_text
+
+    print("\n" + markdown)
+    if ns.json:
+        write_json(ns.json, result)
+        print(f"\nwrote {ns.json}")
+    if ns.markdown:
+        write_text(ns.markdown, markdown)
+        print(f"wrote {ns.markdown}")
+
+
+def _print_plots(paths: list[Path]) -> None:
+    for path in paths:
+        print(f"wrote {path}")
+
+
+def _cmd_throughput(ns: argparse.Namespace) -> int:
+    from infer8.bench.report import cdf_plot, line_plot
+    from infer8.bench.throughput import format_throughput, run_throughput
+
+    result = run_throughput(
+        engine_args_from(ns),
+        ns.num_requests,
+        ns.input_len,
+        ns.output_len,
+        ns.seed,
+        ns.ignore_eos,
+        ns.max_tokens,
+        measure_peak=ns.peak_matmul_size > 0,
+        peak_matmul_size=ns.peak_matmul_size,
+        use_tqdm=not ns.disable_tqdm,
+    )
+    _emit(ns, result, format_throughput(result))
+    if ns.plot_dir:
+        d = Path(ns.plot_dir)
+        label = f"{result['scheduler']} / {result['kv_cache_dtype']}"
+        ttft = [r["ttft_s"] for r in result["requests"] if r["ttft_s"] is not None]
+        timeline = result["timeline"]
+        _print_plots(
+            [
+                cdf_plot(
+                    d / "throughput_ttft_cdf.png", {label: ttft}, "Time to first token", "seconds"
+                ),
+                line_plot(
+                    d / "throughput_running.png",
+                    {label: (timeline["time_s"], timeline["num_running"])},
+                    "Requests running after each step",
+                    "seconds",
+                    "requests",
+                ),
+            ]
+        )
+    return 0
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """Load the tokenizer of an HF directory or GGUF file (None: the default model's)."""
+    from infer8.engine import resolve_model_path
+    from infer8.tokenizer import Tokenizer
+
+    model_path = Path(resolve_model_path(path))
+    if model_path.is_dir():
+        return Tokenizer.from_dir(model_path)
+    from infer8.models.gguf_loader import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(model_path)
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from infer8.bench.report import cdf_plot
+    from infer8.bench.workload import make_requests
+
+    try:
+        from infer8.bench.serve import ServeConfig, format_serve, parse_goodput, run_serve
+    except ImportError as e:
+        raise RuntimeError(f"bench serve needs {e.name}: pip install 'infer8[bench]'") from None
+
+    config = ServeConfig(
+        base_url=ns.base_url,
+        endpoint=ns.endpoint,
+        model=ns.model,
+        api_key=ns.api_key,
+        request_rate=ns.request_rate,
+        burstiness=ns.burstiness,
+        max_concurrency=ns.max_concurrency,
+        ignore_eos=ns.ignore_eos,
+        temperature=ns.temperature,
+        seed=ns.seed,
+        timeout_s=ns.timeout_s,
+        stream_usage=not ns.no_stream_usage,
+        goodput_slos_ms=parse_goodput(ns.goodput),
+        extra_body=ns.extra_body,
+    )
+    tokenizer = load_tokenizer(ns.tokenizer)
+    requests = make_requests(tokenizer, ns.num_requests, ns.input_len, ns.output_len, ns.seed)
+    result = run_serve(config, requests, tokenizer, use_tqdm=not ns.disable_tqdm)
+    result["input_len"], result["output_len"] = ns.input_len.describe(), ns.output_len.describe()
+    _emit(ns, result, format_serve(result))
+    if ns.plot_dir:
+        d = Path(ns.plot_dir)
+        ok = [r for r in result["requests"] if r["success"]]
+        _print_plots(
+            [
+                cdf_plot(
+                    d / "serve_latency_cdf.png",
+                    {
+                        "TTFT": [r["ttft_s"] for r in ok if r["ttft_s"] is not None],
+                        "E2E": [r["e2el_s"] for r in ok if r["e2el_s"] is not None],
+                    },
+                    "Request latency",
+                    "seconds",
+                ),
+                cdf_plot(
+                    d / "serve_itl_cdf.png",
+                    {"ITL": [x for r in ok for x in r["itl_s"]]},
+                    "Inter-token latency",
+                    "seconds",
+                ),
+            ]
+        )
+    return 0 if result["completed"] else 1
+
+
+def _cmd_capacity(ns: argparse.Namespace) -> int:
+    from infer8.bench.capacity import format_capacity, run_capacity
+    from infer8.bench.report import bar_plot, fmt_bytes
+
+    result = run_capacity(
+        engine_args_from(ns),
+        ns.context_len,
+        ns.prompt_len,
+        ns.max_tokens,
+        ns.schedulers,
+        ns.kv_cache_dtypes,
+    )
+    _emit(ns, result, format_capacity(result))
+    if ns.plot_dir:
+        groups = result["groups"]
+        _print_plots(
+            [
+                bar_plot(
+                    Path(ns.plot_dir) / "capacity_sessions.png",
+                    [f"{g['scheduler']} / {g['kv_cache_dtype']}" for g in groups],
+                    [g["max_concurrent_sessions"] for g in groups],
+                    f"Sessions of {result['context_len']} tokens in "
+                    f"{fmt_bytes(result['kv_cache_memory_bytes'])} KV",
+                    "sessions",
+                )
+            ]
+        )
+    return 0
+
+
+def _cmd_compare(ns: argparse.Namespace) -> int:
+    from infer8.bench.compare import compare_plots, format_compare, run_compare
+
+    result = run_compare(
+        engine_args_from(ns),
+        num_requests=ns.num_requests,
+        input_len=ns.input_len,
+        output_len=ns.output_len,
+        max_tokens=ns.max_tokens,
+        seed=ns.seed,
+        schedulers=ns.schedulers,
+        kv_cache_dtypes=ns.kv_cache_dtypes,
+        hf_baseline=ns.hf_baseline,
+        hf_batch_size=ns.hf_batch_size,
+        eval_tokens=ns.eval_tokens,
+        eval_text=ns.eval_text,
+        peak_matmul_size=ns.peak_matmul_size,
+        use_tqdm=not ns.disable_tqdm,
+    )
+    _emit(ns, result, format_compare(result))
+    if ns.plot_dir:
+        _print_plots(compare_plots(result, ns.plot_dir))
+    return 0

@@ -1,0 +1,82 @@
+"""Model FLOPs of served requests, and this machine's matmul peak measured in the same run."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """FLOPs per token of a Llama-family decoder (matmuls only: norms, RoPE, SiLU ignored)."""
+
+    # 2 x the decoder layers' matmul parameters (q/k/v/o, gate/up/down): every computed token
+    layer_flops_per_token: int
+    # 4 x layers x query heads x head_dim: QK^T and PV, times the context each token attends
+    attn_flops_per_context_token: int
+    # 2 x hidden x vocab: the LM head, only for positions that are sampled
+    lm_head_flops_per_sample: int
+
+    @classmethod
+    def from_arch(cls, arch: Any) -> ModelFlops:
+        """Build from a LlamaArchConfig-like object (hidden_size, num_hidden_layers, ...)."""
+        h, inter = arch.hidden_size, arch.intermediate_size
+        q = arch.num_attention_heads * arch.head_dim
+        kv = arch.num_key_value_heads * arch.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h
+        return cls(
+            layer_flops_per_token=2 * per_layer * arch.num_hidden_layers,
+            attn_flops_per_context_token=4 * arch.num_hidden_layers * q,
+            lm_head_flops_per_sample=2 * h * arch.vocab_size,
+        )
+
+    def request_flops(self, prompt_len: int, num_output_tokens: int) -> int:
+        """Return the useful FLOPs of serving one request once (no padding, no recomputation).
+
+        Positions 0 .. prompt_len + num_output_tokens - 2 go through the model (the last
+        sampled token is never fed back); position p attends to p + 1 tokens; one LM-head
+        row per sampled token.
+        """
+        if num_output_tokens < 1:
+            return 0
+        n = prompt_len + num_output_tokens - 1
+        context_sum = n * (n + 1) // 2
+        return (
+            self.layer_flops_per_token * n
+            + self.attn_flops_per_context_token * context_sum
+            + self.lm_head_flops_per_sample * num_output_tokens
+        )
+
+
+def measure_matmul_peak(
+    dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5
+) -> dict[str, Any]:
+    """Time a [size x size] @ [size x size] matmul `repeats` times; return the best FLOP/s."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    torch.matmul(a, b, out=out)  # warm-up: thread pool, kernels
+    best_s = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        _sync(device)
+        best_s = min(best_s, time.perf_counter() - t0)
+    flops = 2 * size**3
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "size": size,
+        "repeats": repeats,
+        "best_s": best_s,
+        "peak_flops_per_s": flops / best_s,
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
