@@ -112,6 +112,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_scale: str = "dynamic"
     kv_scales_path: str | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -150,6 +151,17 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks split the model (tensor parallelism: one process per device)."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
 class EngineArgs:
     """The flat user-facing options (LLM(...) kwargs and CLI flags); one source of truth."""
 
@@ -166,12 +178,19 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_scale: str = "dynamic"
     kv_scales_path: str | None = None
+    enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     scheduler: str = "continuous"
+    tensor_parallel_size: int = 1
+
+    def create_parallel_config(self) -> ParallelConfig:
+        """Validate and return the parallel layout (head counts are checked against the model)."""
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
 
     def create_configs(self, model_path: str) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """Validate and split into the three configs (dtype auto is resolved by the loader)."""
+        self.create_parallel_config()  # fails here, with the other values, when invalid
         device = resolve_device(self.device)
         dtype = parse_dtype(self.dtype)
         if dtype is None:
@@ -194,6 +213,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_scale=self.kv_scale,
             kv_scales_path=self.kv_scales_path,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

@@ -13,13 +13,16 @@ from pathlib import Path
 
 import torch
 
-from infer8.attention.torch_ref import TorchRefAttention
+from infer8.attention.torch_ref import AttentionBackend, TorchRefAttention
 from infer8.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from infer8.core.kv_cache_manager import KVCacheManager, cdiv
 from infer8.core.sched_output import SchedulerStats
 from infer8.core.scheduler import Scheduler, SchedulerBase
 from infer8.core.static_scheduler import StaticScheduler
-from infer8.models.llama import LlamaForCausalLM
+from infer8.distributed.executor import TensorParallelExecutor
+from infer8.distributed.parallel_state import TensorParallelGroup
+from infer8.distributed.sharding import TensorParallelShard
+from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.models.loader import load_model
 from infer8.outputs import RequestOutput, RequestState
 from infer8.quant import kv_scales
@@ -60,12 +63,22 @@ def resolve_model_path(model: str | None) -> str:
 class LLMEngine:
     """Owns the tokenizer, scheduler and model runner of one model; driven by step()."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, tp_group: TensorParallelGroup | None = None) -> None:
+        """Build the engine; tensor-parallel workers pass their group, rank 0 starts one."""
         model_path = resolve_model_path(args.model)
         model_config, cache_config, scheduler_config = args.create_configs(model_path)
+        self.tp_executor: TensorParallelExecutor | None = None
+        if tp_group is None and args.tensor_parallel_size > 1:
+            # Rank 0 starts (or joins) ranks 1..N-1, which run this constructor on their shard.
+            self.tp_executor = TensorParallelExecutor.start(args, model_path, model_config.device)
+            tp_group = self.tp_executor.group
         model, hf_config, ckpt_kv_scales = load_model(
-            model_path, model_config.dtype, model_config.device
+            model_path, model_config.dtype, model_config.device, tp_group
         )
+        self.tp_shard: TensorParallelShard | None = None
+        if tp_group is not None:
+            arch_config = LlamaArchConfig.from_hf_config(hf_config)
+            self.tp_shard = TensorParallelShard(arch_config, tp_group.rank, tp_group.world_size)
         self.tokenizer = _load_tokenizer(model_path)
         self.model_config, self.cache_config, self.scheduler_config = (
             model_config,
@@ -83,6 +96,8 @@ class LLMEngine:
         )
         kv_bytes = self._kv_budget_bytes(args, model, model_config, scheduler_config)
         self.num_blocks = self.kv_spec.num_blocks_for(kv_bytes)
+        if tp_group is not None:  # every rank must hold every block id the scheduler hands out
+            self.num_blocks = min(tp_group.exchange("num_blocks", self.num_blocks))
         if self.num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget ({kv_bytes} bytes) holds no block of "
@@ -98,8 +113,7 @@ class LLMEngine:
         kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, model_config.device)
         self.kv_caches = kv_caches
         self.kv_scale_source = self._setup_kv_scales(ckpt_kv_scales)
-        use_compile = self.kv_spec.is_fp8 and not model_config.enforce_eager
-        model.set_attention_backend(TorchRefAttention(use_compile=use_compile))
+        model.set_attention_backend(self._attention_backend(model_config))
         gib = self.num_blocks * self.kv_spec.bytes_per_block / GiB
         dtype_name = str(kv_dtype).removeprefix("torch.")
         print(
@@ -109,8 +123,14 @@ class LLMEngine:
         )
         self.model: LlamaForCausalLM = model
         self.hf_config = hf_config
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size)
-        sched_cls = StaticScheduler if scheduler_config.scheduler == "static" else Scheduler
+        is_static = scheduler_config.scheduler == "static"
+        # The static baseline reserves whole sequences up front and never reuses prefixes.
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks,
+            cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching and not is_static,
+        )
+        sched_cls = StaticScheduler if is_static else Scheduler
         self.scheduler: SchedulerBase = sched_cls(
             self.kv_cache_manager,
             scheduler_config.max_num_seqs,
@@ -123,6 +143,7 @@ class LLMEngine:
             model_config.device,
             self.tokenizer.eos_token_ids,
             seed=model_config.seed,
+            is_driver=tp_group is None or tp_group.rank == 0,
         )
         self.req_states: dict[str, RequestState] = {}
         self._req_counter = itertools.count()
@@ -130,6 +151,16 @@ class LLMEngine:
         self.last_stats = SchedulerStats(num_kv_blocks_total=self.num_blocks)
 
     # -- construction helpers -------------------------------------------------------------
+    def _attention_backend(self, model_config: ModelConfig) -> AttentionBackend:
+        """Choose the attention backend once: Triton kernels on CUDA, the torch reference on CPU."""
+        if model_config.device.type == "cuda":
+            from infer8.attention.triton_paged import TritonAttention
+
+            return TritonAttention(model_config.device)
+        fp8 = self.kv_spec.is_fp8
+        # FP8 on CPU: the native gather+dequantize kernel, else compiled torch dequantization.
+        return TorchRefAttention(use_compile=fp8 and not model_config.enforce_eager, use_native=fp8)
+
     def _setup_kv_scales(self, ckpt_scales: dict[int, dict[str, torch.Tensor]]) -> str:
         """Install static FP8 scales if asked for; return where scales come from.
 
@@ -144,9 +175,13 @@ class LLMEngine:
         if cfg.kv_scale == "dynamic":
             return "dynamic"
         if cfg.kv_scales_path is not None:
+            shard = self.tp_shard  # the file covers the model's KV heads; keep this rank's
+            num_kv_heads = spec.num_kv_heads if shard is None else shard.config.num_key_value_heads
             scales = kv_scales.load_calibration(
-                cfg.kv_scales_path, spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim
+                cfg.kv_scales_path, spec.dtype, spec.num_layers, num_kv_heads, spec.head_dim
             )
+            if shard is not None:
+                scales = shard.shard_static_scales(scales)
         else:
             scales = kv_scales.from_checkpoint(
                 ckpt_scales, spec.num_layers, spec.num_kv_heads, spec.head_dim
@@ -226,9 +261,15 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time_s: float | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Validate and queue a request; return its id. Raises ValueError on bad input."""
+        """Validate and queue a request; return its id. Raises ValueError on bad input.
+
+        Requests with different `cache_salt` values never share prefix-cached KV blocks.
+        """
         params = sampling_params or SamplingParams()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string if provided")
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
@@ -240,7 +281,7 @@ class LLMEngine:
         if request_id in self.req_states:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(
-            request_id, token_ids, params, self.tokenizer.eos_token_ids, arrival_time_s
+            request_id, token_ids, params, self.tokenizer.eos_token_ids, arrival_time_s, cache_salt
         )
         limit = self.max_model_len
         if params.max_tokens is not None:
@@ -286,15 +327,26 @@ class LLMEngine:
         for req_id in request_ids:
             self.req_states.pop(req_id, None)
 
+    def is_healthy(self) -> bool:
+        """Return False once a tensor-parallel worker has failed or died, even between steps."""
+        return self.tp_executor is None or self.tp_executor.is_healthy()
+
     def has_unfinished_requests(self) -> bool:
         """Return whether any request is waiting or running."""
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every prefix-cached block that no running request holds; return how many."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling iteration; return outputs of requests that got tokens."""
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out)
+        if self.tp_executor is None:
+            runner_out = self.runner.execute(sched_out)
+        else:
+            runner_out = self.tp_executor.execute(self.runner, sched_out)
         progressed = self.scheduler.update_from_output(sched_out, runner_out)
         outputs = []
         for request, new_ids in progressed:

@@ -44,6 +44,18 @@ class EngineMetrics:
         self.num_preemptions = Counter(
             "vllm:num_preemptions", "Cumulative preemptions.", name, registry=r
         ).labels(model_name)
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            name,
+            registry=r,
+        ).labels(model_name)
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            name,
+            registry=r,
+        ).labels(model_name)
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prefilled prompt tokens.", name, registry=r
         ).labels(model_name)
@@ -93,6 +105,7 @@ class EngineMetrics:
             "gpu_memory_utilization": str(cache_config.gpu_memory_utilization),
             "num_gpu_blocks": str(num_blocks),
             "kv_scale": cache_config.kv_scale,
+            "enable_prefix_caching": str(cache_config.enable_prefix_caching),
         }
         Gauge(
             "vllm:cache_config_info",
@@ -125,7 +138,10 @@ class EngineMetrics:
         self._num_saturated_seen = 0
 
     def on_step(self, stats: SchedulerStats) -> None:
-        """Count one step's preemptions and padding."""
+        """Count one step's preemptions, padding and prefix cache lookups."""
+        if stats.num_prefix_cache_queries:
+            self.prefix_cache_queries.inc(stats.num_prefix_cache_queries)
+            self.prefix_cache_hits.inc(stats.num_prefix_cache_hits)
         if stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions)
         if stats.num_padded_tokens:

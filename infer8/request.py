@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from infer8.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from infer8.core.block_pool import BlockHash
 
 
 class RequestStatus(enum.IntEnum):
@@ -49,6 +53,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: list[int],
         arrival_time_s: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -63,6 +68,10 @@ class Request:
         self.first_scheduled_time_s: float | None = None
         # The cap on prompt + output tokens, resolved by the engine against max_model_len.
         self.max_num_tokens = len(self.prompt_token_ids) + (sampling_params.max_tokens or 0)
+        # Prefix caching: requests with different salts never share KV blocks.
+        self.cache_salt = cache_salt
+        # Hash chain of the full blocks of all_token_ids, extended by the KV cache manager.
+        self.block_hashes: list[BlockHash] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,12 +1,24 @@
-"""Shared test builders: tiny random-weight Llama / Qwen2 models saved as Hugging Face dirs."""
+"""Shared test builders: tiny random-weight Llama / Qwen2 models, and a server in a thread."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from infer8.engine import LLMEngine
+from infer8.entrypoints.openai.cli_args import ServerConfig
+from infer8.entrypoints.openai.server import create_app
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -113,3 +125,69 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[in
             pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+@dataclass
+class RunningServer:
+    """A server started in this process on 127.0.0.1 and the engine behind it."""
+
+    url: str
+    engine: LLMEngine
+    server: uvicorn.Server
+    thread: threading.Thread
+    api_key: str = "EMPTY"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def metric(self, name: str, **labels: str) -> float:
+        return sum(
+            value
+            for (sample, sample_labels), value in self.metrics().items()
+            if sample == name and set(labels.items()) <= set(sample_labels)
+        )
+
+    def wait_until(self, ok: Callable[[], bool], timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ok():
+            assert time.monotonic() < deadline, "condition not reached in time"
+            time.sleep(0.02)
+
+    def wait_idle(self) -> None:
+        """Wait until nothing runs and every KV block is free again."""
+        self.wait_until(
+            lambda: (
+                self.metric("vllm:kv_cache_usage_perc") == 0.0
+                and self.metric("vllm:num_requests_running") == 0.0
+                and self.metric("vllm:num_requests_waiting") == 0.0
+            )
+        )
+
+
+def start_server(engine: LLMEngine, config: ServerConfig) -> RunningServer:
+    """Serve the engine on a free port of 127.0.0.1 from a thread; return once it listens."""
+    app = create_app(engine, config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    return RunningServer(url, engine, server, thread, config.api_key or "EMPTY")
+
+
+def stop_server(running: RunningServer) -> None:
+    """Ask the server to exit and wait for its thread."""
+    running.server.should_exit = True
+    running.thread.join(20)

@@ -15,6 +15,10 @@ class AttentionMetadata:
     [query_start_loc[i], query_start_loc[i+1]) and, after this step, has seq_lens[i] tokens of
     context in the blocks named by block_tables[i]. Static-batch padding tokens, if any, come
     after all real tokens (index >= num_real_tokens) and attend to nothing.
+
+    A backend must write all of a layer's new K/V (slot_mapping) before any sequence attends:
+    with prefix caching a request may read blocks that another request fills in the same step,
+    and a new request's first chunk may start after a cached prefix (num_computed_tokens > 0).
     """
 
     num_real_tokens: int

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,18 @@ from infer8.quant import fp8
 from infer8.worker.kv_cache import LayerKVCache
 
 Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+
+class AttentionBackend(Protocol):
+    """What a model layer needs from attention: store K/V, then attend over the paged cache."""
+
+    def write_kv(
+        self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None: ...
+
+    def forward(
+        self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...
 
 
 def _dequantize_eager(xq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,8 +1,11 @@
-"""Per-request block tables over the block pool: allocate_slots / free (pure Python)."""
+"""Per-request block tables over the block pool: prefix hits, allocate_slots, free (pure Python)."""
 
 from __future__ import annotations
 
-from infer8.core.block_pool import BlockPool
+from collections.abc import Sequence
+
+from infer8.core.block_pool import BlockHash, BlockPool, hash_block_tokens
+from infer8.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -11,12 +14,21 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Owns each request's block table and grows it as the request's tokens are scheduled."""
+    """Owns each request's block table, grows it as tokens are scheduled, and reuses prefixes.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    With `enable_caching`, every block that a step fills is registered under the hash chain of
+    the tokens it holds, as soon as the step is scheduled: the model writes all of a step's
+    K/V before any attention reads them (per layer), so a request admitted in the same step
+    may already read them. `get_computed_blocks` finds a new request's longest cached prefix.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_block_ids: dict[str, list[int]] = {}
+        # How many leading blocks of each request's table are registered in the prefix cache.
+        self.req_to_num_cached_blocks: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -25,7 +37,7 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Return free blocks."""
+        """Return free blocks (cached blocks nobody holds included: they are reclaimable)."""
         return self.block_pool.num_free_blocks
 
     @property
@@ -38,21 +50,100 @@ class KVCacheManager:
         held = len(self.req_to_block_ids.get(request_id, ()))
         return max(0, cdiv(num_tokens, self.block_size) - held)
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Grow the request's blocks to hold `num_tokens` tokens; None (nothing taken) if short."""
-        num_new = self.num_blocks_needed(request_id, num_tokens)
-        if num_new > self.block_pool.num_free_blocks:
+    def block_hashes(self, request: Request, num_blocks: int | None = None) -> list[BlockHash]:
+        """Return the hash chain of the request's first full blocks, extending it as needed.
+
+        The chain grows with the request's output, so blocks filled while decoding are cached
+        too. The first block's hash includes the request's cache_salt, so requests with
+        different salts share nothing.
+        """
+        hashes = request.block_hashes
+        num_full = request.num_tokens // self.block_size
+        num_blocks = num_full if num_blocks is None else min(num_blocks, num_full)
+        if len(hashes) < num_blocks:
+            token_ids = request.all_token_ids
+            bs = self.block_size
+            for i in range(len(hashes), num_blocks):
+                parent = hashes[-1] if hashes else None
+                extra_keys = (request.cache_salt,) if i == 0 and request.cache_salt else None
+                hashes.append(
+                    hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], extra_keys)
+                )
+        return hashes[:num_blocks]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Return the cached blocks of the request's longest cached prefix and its length.
+
+        At least the last token is always left to compute (its logits are sampled), and only
+        whole blocks are reused. When the whole prompt is cached and ends on a block boundary,
+        the last block is therefore not reused but recomputed into a fresh block (at most
+        block_size tokens, as vLLM does): recomputing only its last token inside the shared
+        block would write into a block other requests read, and that write is not even
+        bit-identical (a 1-token computation rounds differently from the original chunk).
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids = []
+        for block_hash in self.block_hashes(request, max_num_blocks):
+            block_id = self.block_pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids, len(block_ids) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_tokens: int, new_computed_block_ids: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Grow the request's table to hold `num_tokens` tokens; None (nothing taken) if short.
+
+        `new_computed_block_ids` (a new request's prefix hits) go first in its table. Blocks
+        that the step fills are registered in the prefix cache.
+        """
+        block_ids = self.req_to_block_ids.get(request.request_id, [])
+        assert not (block_ids and new_computed_block_ids), "prefix hits only for a new table"
+        num_new = max(
+            0, cdiv(num_tokens, self.block_size) - len(block_ids) - len(new_computed_block_ids)
+        )
+        # Hits nobody holds now leave the free queue: they count against it too.
+        num_free_hits = sum(1 for b in new_computed_block_ids if self.block_pool.is_free(b))
+        if num_new + num_free_hits > self.block_pool.num_free_blocks:
             return None
+        self.block_pool.touch(new_computed_block_ids)
         new_block_ids = self.block_pool.allocate(num_new)
-        self.req_to_block_ids.setdefault(request_id, []).extend(new_block_ids)
+        block_ids = self.req_to_block_ids.setdefault(request.request_id, [])
+        block_ids.extend(new_computed_block_ids)
+        block_ids.extend(new_block_ids)
+        if self.enable_caching:
+            if new_computed_block_ids:
+                self.req_to_num_cached_blocks[request.request_id] = len(new_computed_block_ids)
+            self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
         return new_block_ids
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full once `num_tokens` tokens are computed."""
+        num_full = num_tokens // self.block_size
+        num_cached = self.req_to_num_cached_blocks.get(request.request_id, 0)
+        if num_full <= num_cached:
+            return
+        block_ids = self.req_to_block_ids[request.request_id]
+        hashes = self.block_hashes(request, num_full)
+        self.block_pool.cache_full_blocks(
+            block_ids[num_cached:num_full], hashes[num_cached:num_full]
+        )
+        self.req_to_num_cached_blocks[request.request_id] = num_full
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """Return the request's block table."""
         return self.req_to_block_ids.get(request_id, [])
 
     def free(self, request_id: str) -> None:
-        """Return all of the request's blocks to the pool."""
+        """Return all of the request's blocks to the pool (cached ones stay reusable)."""
         block_ids = self.req_to_block_ids.pop(request_id, [])
-        # Free in reverse so the tail blocks, least likely to be shared later, are reused first.
+        self.req_to_num_cached_blocks.pop(request_id, None)
+        # Free in reverse so the tail blocks, least likely to be shared later, are evicted first.
         self.block_pool.free(block_ids[::-1])
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block that no running request holds; return how many."""
+        return self.block_pool.reset_prefix_cache()

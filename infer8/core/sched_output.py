@@ -71,6 +71,9 @@ class SchedulerStats:
     num_padded_tokens: int = 0
     num_kv_blocks_used: int = 0
     num_kv_blocks_total: int = 0
+    # Prefix caching, over requests admitted for the first time this step (vLLM's counters).
+    num_prefix_cache_queries: int = 0  # prompt tokens looked up
+    num_prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
     step_time_s: float = 0.0
     scheduled_req_ids: list[str] = field(default_factory=list)
     admitted_req_ids: list[str] = field(default_factory=list)
@@ -80,3 +83,8 @@ class SchedulerStats:
     def kv_cache_usage(self) -> float:
         """Return the fraction of KV blocks in use after the step."""
         return self.num_kv_blocks_used / max(1, self.num_kv_blocks_total)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Return the fraction of this step's queried prompt tokens found cached (0 if none)."""
+        return self.num_prefix_cache_hits / max(1, self.num_prefix_cache_queries)

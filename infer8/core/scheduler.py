@@ -168,9 +168,7 @@ class Scheduler(SchedulerBase):
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
             assert num_new > 0
             while (
-                self.kv_cache_manager.allocate_slots(
-                    request.request_id, request.num_computed_tokens + num_new
-                )
+                self.kv_cache_manager.allocate_slots(request, request.num_computed_tokens + num_new)
                 is None
             ):
                 victim = self.running.pop()  # the most recently admitted
@@ -193,26 +191,41 @@ class Scheduler(SchedulerBase):
             and token_budget > 0
         ):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            assert request.num_computed_tokens == 0  # new, or preempted and recomputed
+            # The longest cached prefix (a preempted request often finds its own blocks again).
+            computed_block_ids, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_computed, token_budget)
             if (
                 self.kv_cache_manager.allocate_slots(
-                    request.request_id, request.num_computed_tokens + num_new
+                    request, num_computed + num_new, computed_block_ids
                 )
                 is None
             ):
                 break
             self.waiting.popleft()
+            request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._stats.admitted_req_ids.append(request.request_id)
+            self._record_prefix_cache_query(request, num_computed)
             self._schedule_request(out, request, num_new)
             token_budget -= num_new
 
         self._stats.num_scheduled_tokens = out.total_num_scheduled_tokens
         return out
 
+    def _record_prefix_cache_query(self, request: Request, num_cached_tokens: int) -> None:
+        """Count a new request's prefix lookup in tokens (vLLM leaves preempted ones out)."""
+        if self.kv_cache_manager.enable_caching and request.num_preemptions == 0:
+            self._stats.num_prefix_cache_queries += request.num_tokens
+            self._stats.num_prefix_cache_hits += num_cached_tokens
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Free a running request's blocks and requeue it at the front for recomputation."""
+        """Free a running request's blocks and requeue it at the front for recomputation.
+
+        Its full blocks stay in the prefix cache, so unless they are evicted meanwhile it
+        recomputes only what follows them.
+        """
         self.kv_cache_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -13,7 +13,8 @@ class StaticScheduler(SchedulerBase):
     Each admitted request reserves blocks for prompt + max_tokens up front. The prefill of the
     batch is padded to its longest prompt, and every decode step computes a padding token for
     each request that already finished but still holds its seat. Those dummy tokens go through
-    the model like real ones and are reported as `num_padded_tokens`.
+    the model like real ones and are reported as `num_padded_tokens`. It takes no prefix-cache
+    hits (the engine gives it a KV cache manager with caching off).
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -47,10 +48,7 @@ class StaticScheduler(SchedulerBase):
         """Take up to max_num_seqs waiting requests whose full reservation fits."""
         while self.waiting and len(self.batch) < self.max_num_seqs:
             request = self.waiting[0]
-            if (
-                self.kv_cache_manager.allocate_slots(request.request_id, request.max_num_tokens)
-                is None
-            ):
+            if self.kv_cache_manager.allocate_slots(request, request.max_num_tokens) is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -44,11 +45,13 @@ class RequestGroup:
         params: Sequence[SamplingParams],
         loop: asyncio.AbstractEventLoop,
         engine: AsyncLLMEngine,
+        cache_salt: str | None = None,
     ) -> None:
         assert len(prompts) == len(params) > 0
         self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.prompts = list(prompts)
         self.params = list(params)
+        self.cache_salt = cache_salt
         self.arrival_time_s = time.monotonic()
         self._loop = loop
         self._engine = engine
@@ -109,11 +112,16 @@ class _AbortCommand:
 
 
 @dataclass
+class _ResetPrefixCacheCommand:
+    result: concurrent.futures.Future[int]
+
+
+@dataclass
 class _StopCommand:
     pass
 
 
-_Command = _AddCommand | _AbortCommand | _StopCommand
+_Command = _AddCommand | _AbortCommand | _ResetPrefixCacheCommand | _StopCommand
 
 
 class AsyncLLMEngine:
@@ -160,13 +168,20 @@ class AsyncLLMEngine:
     @property
     def is_healthy(self) -> bool:
         """Return whether the engine thread is running and accepting requests."""
-        return self._dead_reason is None and self._thread is not None and self._thread.is_alive()
+        is_running = self._thread is not None and self._thread.is_alive()
+        return self._dead_reason is None and is_running and self.engine.is_healthy()
 
     def add_requests(
-        self, request_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+        self,
+        request_id: str,
+        prompts: Sequence[list[int]],
+        params: Sequence[SamplingParams],
+        cache_salt: str | None = None,
     ) -> RequestGroup:
         """Submit one API request's engine requests; raise if overloaded or stopped."""
-        group = RequestGroup(request_id, prompts, params, asyncio.get_running_loop(), self)
+        group = RequestGroup(
+            request_id, prompts, params, asyncio.get_running_loop(), self, cache_salt
+        )
         with self._lock:
             if self._dead_reason is not None:
                 raise EngineDeadError(self._dead_reason)
@@ -183,6 +198,18 @@ class AsyncLLMEngine:
     def abort(self, request_ids: list[str]) -> None:
         """Ask the engine thread to abort requests (their blocks are freed before its next step)."""
         self._commands.put(_AbortCommand(list(request_ids)))
+
+    async def reset_prefix_cache(self) -> int:
+        """Drop the prefix-cached blocks no running request holds, between two engine steps.
+
+        Returns how many blocks were dropped; raises EngineDeadError if the engine stopped.
+        """
+        result: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            if self._dead_reason is not None:
+                raise EngineDeadError(self._dead_reason)
+            self._commands.put(_ResetPrefixCacheCommand(result))
+        return await asyncio.wrap_future(result)
 
     # -- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -201,6 +228,8 @@ class AsyncLLMEngine:
                     self._add(command.group)
                 elif isinstance(command, _AbortCommand):
                     self._abort(command.request_ids)
+                elif isinstance(command, _ResetPrefixCacheCommand):
+                    self._reset_prefix_cache(command.result)
             if any(isinstance(c, _StopCommand) for c in commands):
                 self._abort(list(self._tracked))
                 self._publish_gauges(force_saturation=True)
@@ -225,7 +254,9 @@ class AsyncLLMEngine:
             for index, (request_id, prompt, params) in enumerate(
                 zip(group.request_ids, group.prompts, group.params)
             ):
-                self.engine.add_request(prompt, params, request_id, group.arrival_time_s)
+                self.engine.add_request(
+                    prompt, params, request_id, group.arrival_time_s, group.cache_salt
+                )
                 added.append(request_id)
                 self._tracked[request_id] = _Tracked(group, index, len(prompt))
         except ValueError as e:
@@ -246,6 +277,13 @@ class AsyncLLMEngine:
             output = _aborted_output(request_id, tracked)
             self._on_finished(tracked, output)
             tracked.group.put((tracked.index, output))
+
+    def _reset_prefix_cache(self, result: concurrent.futures.Future[int]) -> None:
+        try:
+            result.set_result(self.engine.reset_prefix_cache())
+        except BaseException as e:
+            result.set_exception(e)
+            raise
 
     def _step(self) -> None:
         step_start_s = time.monotonic()
@@ -329,6 +367,9 @@ class AsyncLLMEngine:
             pending = self._next_commands(block=False)
         groups = {id(t.group): t.group for t in self._tracked.values()}
         groups.update({id(c.group): c.group for c in pending if isinstance(c, _AddCommand)})
+        for command in pending:
+            if isinstance(command, _ResetPrefixCacheCommand) and not command.result.done():
+                command.result.set_exception(error)
         self._tracked.clear()
         for group in groups.values():
             group.put(error)

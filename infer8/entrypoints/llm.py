@@ -36,7 +36,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}), in order."""
+        """Generate for each prompt, in order.
+
+        A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids" and
+        optionally "cache_salt" (requests with different salts never share cached KV blocks).
+        """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -68,15 +72,22 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every prefix-cached KV block; return how many were dropped."""
+        return self.engine.reset_prefix_cache()
+
     def _run(
-        self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[tuple[str | list[int], str | None]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
     ) -> list[RequestOutput]:
         engine = self.engine
         # Validate every prompt before queuing any, so a bad one leaves nothing half-run.
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(prompt, p))
+            for (prompt, cache_salt), p in zip(prompts, params):
+                ids.append(engine.add_request(prompt, p, cache_salt=cache_salt))
         except ValueError:
             engine.abort_request(ids)
             raise
@@ -96,9 +107,11 @@ class LLM:
         return [results[i] for i in ids]
 
 
-def _as_engine_prompt(prompt: Prompt) -> str | list[int]:
+def _as_engine_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
+    """Return (text or token ids, cache_salt) of one prompt."""
     if isinstance(prompt, dict):
+        cache_salt = prompt.get("cache_salt")
         if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        return prompt["prompt"]
-    return prompt
+            return list(prompt["prompt_token_ids"]), cache_salt
+        return prompt["prompt"], cache_salt
+    return prompt, None

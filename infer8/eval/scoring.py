@@ -6,6 +6,8 @@ import torch
 
 from infer8.attention.metadata import build_attention_metadata
 from infer8.engine import LLMEngine
+from infer8.request import Request
+from infer8.sampling_params import SamplingParams
 
 
 @torch.inference_mode()
@@ -17,12 +19,16 @@ def score_tokens(engine: LLMEngine, token_ids: list[int], chunk_tokens: int = 51
     reads the cache back, so the numbers include the cache's quantization error.
     """
     assert not engine.has_unfinished_requests(), "score on an idle engine"
+    if engine.tp_executor is not None:  # the model runs here alone: workers would not join
+        raise ValueError("scoring runs on one device; use --tensor-parallel-size 1")
     n = len(token_ids)
     if n > engine.max_model_len:
         raise ValueError(f"{n} tokens exceed max_model_len {engine.max_model_len}")
     manager = engine.kv_cache_manager
     req_id = "__score__"
-    if manager.allocate_slots(req_id, n) is None:
+    # Its own cache salt: whatever it leaves in the prefix cache is never reused by a request.
+    request = Request(req_id, token_ids, SamplingParams(max_tokens=1), [], cache_salt=req_id)
+    if manager.allocate_slots(request, n) is None:
         raise ValueError(f"the KV cache cannot hold {n} tokens")
     try:
         block_ids = manager.get_block_ids(req_id)

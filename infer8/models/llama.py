@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer8.attention.metadata import AttentionMetadata
-from infer8.attention.torch_ref import TorchRefAttention
+from infer8.attention.torch_ref import AttentionBackend, TorchRefAttention
+from infer8.distributed.layers import lm_head, row_parallel_linear, vocab_embedding
+from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.worker.kv_cache import LayerKVCache
 
 logger = logging.getLogger(__name__)
@@ -149,7 +151,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """GQA self-attention with a fused QKV projection, RoPE and the paged cache."""
 
-    def __init__(self, cfg: LlamaArchConfig) -> None:
+    def __init__(self, cfg: LlamaArchConfig, tp_group: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -159,9 +161,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = row_parallel_linear(self.q_size, cfg.hidden_size, tp_group)
         self.scale = self.head_dim**-0.5
-        self.backend = TorchRefAttention()
+        self.backend: AttentionBackend = TorchRefAttention()
 
     def forward(
         self,
@@ -195,11 +197,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class MLP(nn.Module):
     """SwiGLU feed-forward with a fused gate/up projection."""
 
-    def __init__(self, cfg: LlamaArchConfig) -> None:
+    def __init__(self, cfg: LlamaArchConfig, tp_group: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = row_parallel_linear(cfg.intermediate_size, cfg.hidden_size, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply silu(gate) * up, then project down."""
@@ -210,12 +212,12 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block."""
 
-    def __init__(self, cfg: LlamaArchConfig) -> None:
+    def __init__(self, cfg: LlamaArchConfig, tp_group: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp_group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp_group)
 
     def forward(
         self,
@@ -233,13 +235,16 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus LM head; forward takes a flat batch of tokens."""
 
-    def __init__(self, cfg: LlamaArchConfig) -> None:
+    def __init__(self, cfg: LlamaArchConfig, tp_group: TensorParallelGroup | None = None) -> None:
+        # Under tensor parallelism cfg is this rank's view (its heads and MLP columns).
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp_group)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp_group) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size, tp_group)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         inv_freq, pos_scale = rope_inv_freq(cfg)
@@ -248,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def set_attention_backend(self, backend: TorchRefAttention) -> None:
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Use one attention backend in every layer (chosen once at start-up)."""
         for layer in self.layers:
             layer.self_attn.backend = backend

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from infer8.distributed.parallel_state import TensorParallelGroup
+from infer8.distributed.sharding import TensorParallelShard
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -140,9 +142,15 @@ def _has_gguf_magic(path: Path) -> bool:
 
 
 def load_model(
-    model_path: str, dtype: torch.dtype, device: torch.device
+    model_path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_group: TensorParallelGroup | None = None,
 ) -> tuple[LlamaForCausalLM, dict[str, Any], dict[int, dict[str, torch.Tensor]]]:
-    """Load a model directory or .gguf file; return the model, its config dict, its KV scales."""
+    """Load a model directory or .gguf file; return the model, its config dict, its KV scales.
+
+    Under a tensor-parallel group each weight is sliced to this rank's shard as it is copied in.
+    """
     path = Path(model_path)
     if path.suffix == ".gguf" or (path.is_file() and _has_gguf_magic(path)):
         from infer8.models.gguf_loader import load_gguf
@@ -153,8 +161,11 @@ def load_model(
         hf_config = read_hf_config(path)
         weights = iter_safetensors(path)
     cfg = LlamaArchConfig.from_hf_config(hf_config)
+    if tp_group is not None:
+        shard = TensorParallelShard(cfg, tp_group.rank, tp_group.world_size)
+        cfg, weights = shard.rank_config(), shard.shard_weights(weights)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp_group)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

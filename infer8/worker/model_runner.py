@@ -22,7 +22,10 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: list[int],
         seed: int = 0,
+        is_driver: bool = True,
     ) -> None:
+        # A tensor-parallel worker (is_driver False) runs the model but leaves sampling to rank 0.
+        self.is_driver = is_driver
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -80,6 +83,8 @@ class ModelRunner:
             [meta.query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device
         )
         logits = self.model.compute_logits(hidden[last_token_idx])  # [num_sampled, vocab]
+        if not self.is_driver:
+            return ModelRunnerOutput()
         states = [self.states[sched.scheduled[i].req_id] for i in sample_rows]
         tokens, logprobs = self.sampler(logits, states, self.eos_token_ids)
         out = ModelRunnerOutput()

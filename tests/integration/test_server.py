@@ -8,92 +8,25 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
 from infer8.entrypoints.openai.cli_args import ServerConfig
-from infer8.entrypoints.openai.server import create_app
-from tests.utils import build_tiny_model
+from tests.utils import RunningServer, build_tiny_model, start_server, stop_server
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_BODY_BYTES = 64 * 1024
-
-
-@dataclass
-class RunningServer:
-    """A server started in this process on 127.0.0.1 and the engine behind it."""
-
-    url: str
-    engine: LLMEngine
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0)
-
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        text = httpx.get(f"{self.url}/metrics").text
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
-
-    def metric(self, name: str, **labels: str) -> float:
-        return sum(
-            value
-            for (sample, sample_labels), value in self.metrics().items()
-            if sample == name and set(labels.items()) <= set(sample_labels)
-        )
-
-    def wait_until(self, ok: Callable[[], bool], timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ok():
-            assert time.monotonic() < deadline, "condition not reached in time"
-            time.sleep(0.02)
-
-    def wait_idle(self) -> None:
-        """Wait until nothing runs and every KV block is free again."""
-        self.wait_until(
-            lambda: (
-                self.metric("vllm:kv_cache_usage_perc") == 0.0
-                and self.metric("vllm:num_requests_running") == 0.0
-                and self.metric("vllm:num_requests_waiting") == 0.0
-            )
-        )
-
-
-def _start(engine: LLMEngine, config: ServerConfig) -> RunningServer:
-    app = create_app(engine, config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return RunningServer(f"http://127.0.0.1:{port}", engine, server, thread)
-
-
-def _stop(running: RunningServer) -> None:
-    running.server.should_exit = True
-    running.thread.join(20)
 
 
 @pytest.fixture(scope="module")
@@ -121,18 +54,18 @@ def server(long_llama_dir: Path) -> Iterator[RunningServer]:
     config = ServerConfig(
         host="127.0.0.1", port=0, api_key=API_KEY, max_request_body_bytes=MAX_BODY_BYTES
     )
-    running = _start(_engine(long_llama_dir, max_num_seqs=32), config)
+    running = start_server(_engine(long_llama_dir, max_num_seqs=32), config)
     yield running
-    _stop(running)
+    stop_server(running)
 
 
 @pytest.fixture(scope="module")
 def small_server(long_llama_dir: Path) -> Iterator[RunningServer]:
     """One seat and room for one waiting request: overload is easy to reach."""
     config = ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY, max_waiting_requests=1)
-    running = _start(_engine(long_llama_dir, max_num_seqs=1), config)
+    running = start_server(_engine(long_llama_dir, max_num_seqs=1), config)
     yield running
-    _stop(running)
+    stop_server(running)
 
 
 # -- happy paths -------------------------------------------------------------------------------
@@ -255,7 +188,10 @@ def test_logprobs_streamed_equal_non_streamed(server: RunningServer) -> None:
         if c.choices and c.choices[0].logprobs
         for e in c.choices[0].logprobs.content
     ]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # Equal up to float rounding: the second request reuses the first's cached prompt blocks,
+    # so its logits come from a differently shaped (suffix-only) computation.
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
 
     completion = client.completions.create(
         model=MODEL, prompt="Hi", max_tokens=5, temperature=0.0, logprobs=2
@@ -548,7 +484,7 @@ def test_slow_step_does_not_block_the_http_loop(long_llama_dir: Path) -> None:
         return step()
 
     engine.step = slow_step  # type: ignore[method-assign]
-    running = _start(engine, ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY))
+    running = start_server(engine, ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY))
     try:
         body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
         with ThreadPoolExecutor(1) as pool:
@@ -560,7 +496,7 @@ def test_slow_step_does_not_block_the_http_loop(long_llama_dir: Path) -> None:
             assert time.monotonic() - start < 0.3  # answered while a 1 s step runs
             assert slow.result(timeout=30).json()["usage"]["completion_tokens"] == 2
     finally:
-        _stop(running)
+        stop_server(running)
 
 
 def test_engine_failure_is_503_not_a_hang(long_llama_dir: Path) -> None:
@@ -570,7 +506,7 @@ def test_engine_failure_is_503_not_a_hang(long_llama_dir: Path) -> None:
         raise RuntimeError("device lost")
 
     engine.step = broken_step  # type: ignore[method-assign]
-    running = _start(engine, ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY))
+    running = start_server(engine, ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY))
     try:
         for _ in range(2):  # the request in flight, then a new one
             response = httpx.post(
@@ -580,7 +516,7 @@ def test_engine_failure_is_503_not_a_hang(long_llama_dir: Path) -> None:
             assert response.json()["error"]["type"] == "server_error"
         assert httpx.get(f"{running.url}/health").status_code == 503
     finally:
-        _stop(running)
+        stop_server(running)
 
 
 # -- metrics ------------------------------------------------------------------------------------

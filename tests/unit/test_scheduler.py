@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,9 +50,10 @@ def check_step_invariants(
     if not static:
         assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
         assert len(sched.running) <= sched.max_num_seqs
-    held = sum(len(b) for b in kv.req_to_block_ids.values())
-    assert held == kv.block_pool.num_used_blocks <= kv.num_blocks
-    assert all(0 <= c <= 1 for c in kv.block_pool.ref_cnts)
+    # Each block's ref count is the number of block tables holding it (prefix caching shares).
+    holders = Counter(b for block_ids in kv.req_to_block_ids.values() for b in block_ids)
+    assert len(holders) == kv.block_pool.num_used_blocks <= kv.num_blocks
+    assert kv.block_pool.ref_cnts == [holders[b] for b in range(kv.num_blocks)]
     for s in out.scheduled:
         assert len(s.block_ids) >= cdiv(s.num_computed_tokens + s.num_new_tokens, block_size)
         assert s.num_new_tokens >= 1

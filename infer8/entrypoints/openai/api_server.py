@@ -10,6 +10,7 @@ from types import FrameType
 import uvicorn
 
 from infer8.config import EngineArgs
+from infer8.distributed.launch import launched_env, run_launched_worker
 from infer8.engine import LLMEngine
 from infer8.entrypoints.openai.cli_args import ServerConfig, make_serve_parser, serve_args_from
 from infer8.entrypoints.openai.server import create_app
@@ -22,7 +23,13 @@ def _note_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def run_server(engine_args: EngineArgs, server_config: ServerConfig) -> int:
-    """Load the engine, serve until SIGTERM / SIGINT, drain in-flight requests; return 0."""
+    """Load the engine, serve until SIGTERM / SIGINT, drain in-flight requests; return 0.
+
+    Launched as rank > 0 of a tensor-parallel group (torchrun), run that rank's worker instead.
+    """
+    env = launched_env(engine_args.tensor_parallel_size)
+    if env is not None and env.rank > 0:
+        return run_launched_worker(engine_args, env)
     engine = LLMEngine(engine_args)
     app = create_app(engine, server_config)
     config = uvicorn.Config(

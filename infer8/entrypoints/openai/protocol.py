@@ -90,11 +90,15 @@ class _SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
+    # Prefix caching: requests with different salts never share cached KV blocks (tenants).
+    cache_salt: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string if provided")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         return self

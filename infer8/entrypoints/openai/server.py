@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer8 import __version__
 from infer8.engine import LLMEngine
-from infer8.entrypoints.async_engine import AsyncLLMEngine, RequestGroup
+from infer8.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, RequestGroup
 from infer8.entrypoints.openai.cli_args import ServerConfig
 from infer8.entrypoints.openai.protocol import (
     APIError,
@@ -108,6 +108,15 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
         finally:
             sub.group.abort()
         return _json_or_gone(result)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        # Between two engine steps; blocks that running requests hold stay cached.
+        try:
+            num_blocks = await engine_client.reset_prefix_cache()
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "server_error", code="engine_unavailable") from None
+        return JSONResponse({"num_dropped_blocks": num_blocks})
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:

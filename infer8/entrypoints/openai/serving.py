@@ -130,11 +130,15 @@ class OpenAIServing:
             )
 
     def _submit(
-        self, kind: str, prompts: list[list[int]], params: list[SamplingParams]
+        self,
+        kind: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        cache_salt: str | None,
     ) -> tuple[str, RequestGroup]:
         request_id = f"{kind}-{uuid.uuid4().hex}"
         try:
-            group = self.engine_client.add_requests(request_id, prompts, params)
+            group = self.engine_client.add_requests(request_id, prompts, params, cache_salt)
         except EngineOverloadedError as e:
             if self.engine_client.metrics is not None:
                 self.engine_client.metrics.on_rejected()
@@ -178,7 +182,7 @@ class OpenAIServing:
                     echo_texts.append(
                         text if text is not None else self.tokenizer.decode(token_ids)
                     )
-        request_id, group = self._submit("cmpl", prompts, params)
+        request_id, group = self._submit("cmpl", prompts, params, request.cache_salt)
         return Submission(
             request_id,
             group,
@@ -319,7 +323,7 @@ class OpenAIServing:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         n = request.n or 1
         params = [self._params(request, max_tokens, logprobs, i) for i in range(n)]
-        request_id, group = self._submit("chatcmpl", [token_ids] * n, params)
+        request_id, group = self._submit("chatcmpl", [token_ids] * n, params, request.cache_salt)
         return Submission(request_id, group, len(token_ids), *_usage_flags(request))
 
     async def chat(self, request: ChatCompletionRequest, sub: Submission) -> ChatCompletionResponse:

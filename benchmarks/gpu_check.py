@@ -1,0 +1,514 @@
+"""One prepared GPU run (< 8 minutes on an H100/H200): are the Triton kernels right, and fast?
+
+1. kernels vs the PyTorch reference on the GPU (ragged mixed batches, GQA 1/4/7, head_dim
+   64/128, bf16/fp16/fp8-e4m3/fp8-e5m2 caches, dynamic and static scales, write bit-exactness);
+2. the device's copy bandwidth (read + write) and a read-only sum;
+3. decode attention at batch 64 x 4K context (Llama-3-8B's 32 query / 8 KV heads, d 128) for
+   bf16 and fp8 caches: achieved bandwidth = KV bytes read / time, over a small sweep of tile
+   and split settings; targets: >= 70% of copy bandwidth, fp8 >= 1.7x faster than bf16;
+4. end-to-end decode of a Qwen2-7B-shaped model with random weights at batch 64 x 4K: bf16 vs
+   fp8 cache, eager vs CUDA graphs (whose greedy tokens must match), then FP8 weights.
+
+No network, no checkpoint. Prints markdown tables and writes JSON (--out). Each section
+catches its own failure and the run continues; a time budget skips what would not fit.
+
+    python benchmarks/gpu_check.py --out gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS: dict[str, Any] = {"sections": {}, "errors": {}}
+GB = 1e9
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Return the median time of fn() in ms, measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# -- 1. correctness ----------------------------------------------------------------------------
+
+
+def _fill_cache(cache: Any, seed: int) -> None:
+    """Fill a cache with random K/V (and sane FP8 scales) without going through write_kv."""
+    gen = torch.Generator(device=cache.k.device).manual_seed(seed)
+    for t in (cache.k, cache.v):
+        for i in range(t.shape[0]):  # one KV head at a time keeps the fp32 temporary small
+            x = torch.randn(t[i].shape, generator=gen, device=t.device)
+            t[i].copy_((x * (20.0 if t.element_size() == 1 else 1.0)).to(t.dtype))
+    for s in (cache.k_scale, cache.v_scale):
+        if s is not None:
+            s.copy_((torch.rand(s.shape, generator=gen, device=s.device) * 0.04 + 0.01).to(s.dtype))
+
+
+def check_kernels(device: torch.device, max_context: int = 3000) -> dict[str, Any]:
+    """Compare write_kv and TritonAttention.forward with TorchRefAttention on the GPU."""
+    from infer8.attention import triton_paged
+    from infer8.attention.metadata import build_attention_metadata
+    from infer8.attention.torch_ref import TorchRefAttention
+    from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+
+    rel_tol = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
+    rows, failures = [], []
+    block_size = 16
+    gen = torch.Generator().manual_seed(0)
+    cache_dtypes = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+    # every dtype x GQA 1/4/7 at d 128, d 64 for two dtypes, static scales (16 compiles' worth)
+    cases = [(dt, g, 128, "dynamic") for dt in cache_dtypes for g in (1, 4, 7)]
+    cases += [(torch.bfloat16, 4, 64, "dynamic"), (torch.float8_e4m3fn, 7, 64, "dynamic")]
+    cases += [(torch.float8_e4m3fn, 4, 128, "head"), (torch.float8_e4m3fn, 4, 128, "channel")]
+    for cache_dtype, group, head_dim, static in cases:
+        model_dtype = torch.float16 if cache_dtype == torch.float16 else torch.bfloat16
+        num_kv_heads = 4
+        # 12 decodes over 1..3000 tokens of context, 3 chunked prefills, 1 fresh prompt
+        computed = [int(x) for x in torch.randint(0, max_context, (12,), generator=gen)]
+        computed += [0, max_context // 4, max_context // 2, 31]
+        query_lens = [1] * 12 + [257, 64, 300, 1]
+        seq_lens = [c + q for c, q in zip(computed, query_lens)]
+        num_blocks = sum(-(-n // block_size) for n in seq_lens) + 1
+        perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 unused
+        block_ids = []
+        for n in seq_lens:
+            k = -(-n // block_size)
+            block_ids.append(perm[:k])
+            perm = perm[k:]
+        spec = KVCacheSpec(1, num_kv_heads, head_dim, block_size, cache_dtype)
+        cache = allocate_kv_cache(spec, num_blocks, device)[0]
+        if static != "dynamic":
+            shape = (num_kv_heads, 1) if static == "head" else (num_kv_heads, head_dim)
+            cache.k_static_scale = torch.rand(shape, device=device) * 0.01 + 0.005
+            cache.v_static_scale = torch.rand(shape, device=device) * 0.01 + 0.005
+        full = build_attention_metadata(
+            seq_lens, [0] * len(seq_lens), block_ids, block_size, device
+        )
+        kv = torch.randn(2, full.num_real_tokens, num_kv_heads, head_dim, device=device)
+        kv = kv.to(model_dtype)
+        ref, tri = TorchRefAttention(), triton_paged.TritonAttention(device)
+        # write: the kernel must store exactly what the reference stores
+        ref_cache = allocate_kv_cache(spec, num_blocks, device)[0]
+        ref_cache.k_static_scale, ref_cache.v_static_scale = (
+            cache.k_static_scale,
+            cache.v_static_scale,
+        )
+        ref.write_kv(ref_cache, kv[0], kv[1], full.slot_mapping)
+        tri.write_kv(cache, kv[0], kv[1], full.slot_mapping)
+        write_exact = all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v))
+        ) and (
+            cache.k_scale is None
+            or (
+                torch.equal(cache.k_scale, ref_cache.k_scale)
+                and torch.equal(cache.v_scale, ref_cache.v_scale)
+            )
+        )
+        meta = build_attention_metadata(query_lens, computed, block_ids, block_size, device)
+        q = torch.randn(meta.num_real_tokens, num_kv_heads * group, head_dim, device=device)
+        q = q.to(model_dtype)
+        want = ref.forward(q, ref_cache, meta, head_dim**-0.5)
+        got = tri.forward(q, cache, meta, head_dim**-0.5, out=torch.full_like(q, float("nan")))
+        finite = bool(torch.isfinite(got).all())
+        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        ok = finite and write_exact and rel <= rel_tol[model_dtype]
+        name = f"{str(cache_dtype).removeprefix('torch.')} g{group} d{head_dim} {static}"
+        rows.append([name, write_exact, finite, rel, "ok" if ok else "FAIL"])
+        if not ok:
+            failures.append(name)
+    _log("\n## Kernels vs reference (GPU)\n")
+    _log(_table(["case", "write bit-exact", "finite", "rel. error", ""], rows))
+    return {"cases": rows, "failures": failures, "passed": not failures}
+
+
+# -- 2. bandwidth --------------------------------------------------------------------------
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int = 4 << 30) -> dict[str, float]:
+    """Measure device copy (read + write) and read-only bandwidth in GB/s."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    words = src.view(torch.float32)
+    copy_ms = _time_ms(lambda: dst.copy_(src), iters=10)
+    read_ms = _time_ms(lambda: words.sum(), iters=10)
+    out = {
+        "copy_gb_per_s": 2 * num_bytes / (copy_ms / 1e3) / GB,
+        "read_gb_per_s": num_bytes / (read_ms / 1e3) / GB,
+        "bytes": num_bytes,
+    }
+    _log("\n## Device bandwidth\n")
+    _log(
+        _table(
+            ["copy (read+write) GB/s", "read-only sum GB/s"],
+            [[out["copy_gb_per_s"], out["read_gb_per_s"]]],
+        )
+    )
+    return out
+
+
+def _time_decode(
+    device: torch.device,
+    kv_dtype: torch.dtype,
+    batch: int,
+    context: int,
+    configs: list[Any],
+    sweep: bool,
+) -> dict[str, Any]:
+    """Time paged_decode_attention on one cache dtype; return the best config's numbers."""
+    from infer8.attention import triton_paged
+    from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+
+    num_kv_heads, group, head_dim, block_size = 8, 4, 128, 16
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    num_blocks = batch * context // block_size
+    spec = KVCacheSpec(1, num_kv_heads, head_dim, block_size, kv_dtype)
+    cache = allocate_kv_cache(spec, num_blocks, device)[0]
+    _fill_cache(cache, seed=1)
+    table = torch.randperm(num_blocks, device=device).view(batch, -1)  # scattered blocks
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    token_idx = torch.arange(batch, device=device)
+    q = torch.randn(batch, num_kv_heads * group, head_dim, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * cache.k.element_size()
+    if cache.k_scale is not None:
+        kv_bytes += 2 * batch * context * num_kv_heads * cache.k_scale.element_size()
+    heuristic = triton_paged.choose_num_splits(num_kv_heads, sms)
+    splits = sorted({heuristic, 1, 8, 16, 64}) if sweep else [heuristic]
+    timings = []
+    for cfg in configs:
+        for num_splits in splits:
+
+            def call(cfg: Any = cfg, num_splits: int = num_splits) -> None:
+                triton_paged.paged_decode_attention(
+                    q, cache, out, token_idx, seq_lens, table, head_dim**-0.5, num_splits, cfg
+                )
+
+            label = (
+                f"n{cfg.decode_block_n} w{cfg.decode_num_warps} s{cfg.decode_num_stages} "
+                f"min{cfg.decode_min_split_tokens} splits{num_splits}"
+            )
+            timings.append((_time_ms(call), label))
+    ms, label = min(timings)
+    default_ms = timings[splits.index(heuristic)][0]  # the first config, default splits
+    return {
+        "ms": ms,
+        "gb_per_s": kv_bytes / (ms / 1e3) / GB,
+        "config": label,
+        "kv_bytes": kv_bytes,
+        "heuristic_splits": heuristic,
+        "first_config_heuristic_ms": default_ms,
+        "all": timings,
+    }
+
+
+def decode_attention(
+    device: torch.device, copy_gb_per_s: float, batch: int, context: int, sweep: bool
+) -> dict[str, Any]:
+    """Time the decode kernel over a scattered cache; report KV bytes read per second."""
+    from infer8.attention import triton_paged
+
+    configs = [triton_paged.KernelConfig()]
+    if sweep:  # the default first, then tiles, warps, pipeline stages and split lengths
+        configs += [
+            triton_paged.KernelConfig(
+                decode_block_n=bn, decode_num_warps=w, decode_num_stages=st,
+                decode_min_split_tokens=m,
+            )
+            for bn, w, st, m in (
+                (32, 4, 2, 256), (64, 4, 3, 256), (64, 8, 2, 256), (128, 4, 2, 256),
+                (128, 8, 3, 256), (64, 4, 2, 512), (64, 4, 2, 1024),
+            )
+        ]  # fmt: skip
+    rows, results = [], {}
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        name = str(kv_dtype).removeprefix("torch.")
+        results[name] = _time_decode(device, kv_dtype, batch, context, configs, sweep)
+        r = results[name]
+        rows.append(
+            [
+                name,
+                r["config"],
+                r["ms"],
+                r["kv_bytes"] / GB,
+                r["gb_per_s"],
+                100 * r["gb_per_s"] / copy_gb_per_s,
+            ]
+        )
+        torch.cuda.empty_cache()
+    speedup = results["bfloat16"]["ms"] / results["float8_e4m3fn"]["ms"]
+    pct = min(r["gb_per_s"] for r in results.values()) / copy_gb_per_s
+    _log(f"\n## Decode attention, batch {batch} x {context} context (32 q / 8 KV heads, d 128)\n")
+    _log(_table(["cache", "best config", "ms", "KV GB read", "GB/s", "% of copy"], rows))
+    _log(
+        f"\nfp8 speedup over bf16: {speedup:.2f}x (target >= 1.7x); worst % of copy: {100 * pct:.0f}% (target >= 70%)"
+    )
+    return {
+        "batch": batch,
+        "context": context,
+        "by_dtype": results,
+        "fp8_speedup": speedup,
+        "meets_bandwidth_target": pct >= 0.7,
+        "meets_speedup_target": speedup >= 1.7,
+    }
+
+
+# -- 4. end to end -------------------------------------------------------------------------
+
+
+def _random_model(device: torch.device, preset: str) -> Any:
+    """Build a LlamaForCausalLM of a plan preset's shape with random weights on the device."""
+    from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
+    from infer8.plan import MODEL_PRESETS
+
+    cfg = LlamaArchConfig.from_hf_config(dict(MODEL_PRESETS[preset]))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def _decode_loop(
+    model: Any,
+    caches: list[Any],
+    block_size: int,
+    max_len: int,
+    batch: int,
+    metas: list[Any],
+    positions: list[torch.Tensor],
+    use_graphs: bool,
+) -> tuple[dict[str, float], list[list[int]]]:
+    """Run len(metas) greedy decode steps; return timings and the generated tokens."""
+    from infer8.attention.triton_paged import TritonAttention
+    from infer8.worker.cuda_graphs import CUDAGraphDecodeRunner
+
+    backend = TritonAttention(caches[0].k.device)
+    model.set_attention_backend(backend)
+    runner = CUDAGraphDecodeRunner(
+        model, caches, backend, block_size, max_len, batch, buckets=[batch]
+    )
+    t0 = time.perf_counter()
+    if use_graphs:
+        runner.capture()
+    capture_s = time.perf_counter() - t0
+
+    def step(s: int, tokens: torch.Tensor) -> torch.Tensor:
+        if use_graphs:
+            hidden = runner.run(tokens, positions[s], metas[s])
+        else:
+            hidden = model(tokens, positions[s], metas[s], caches)
+        return model.compute_logits(hidden).argmax(-1)
+
+    steps = len(metas)
+    with torch.inference_mode():
+        tokens = (
+            torch.arange(batch, device=positions[0].device) * 7919 + 1000
+        ) % model.config.vocab_size
+        step(0, tokens)  # warm-up (compiles the eager path's kernels)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        generated = []
+        for s in range(steps):
+            tokens = step(s, tokens)
+            generated.append(tokens)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    result = {
+        "tokens_per_s": batch * steps / elapsed,
+        "step_ms": 1e3 * elapsed / steps,
+        "capture_s": capture_s,
+    }
+    return result, torch.stack(generated).tolist()
+
+
+def end_to_end(
+    device: torch.device, batch: int, context: int, steps: int, preset: str = "qwen2-7b-instruct"
+) -> dict[str, Any]:
+    """Decode `steps` tokens for `batch` sequences at `context` tokens; report tokens/s."""
+    from infer8.attention.metadata import build_attention_metadata
+    from infer8.quant import fp8_linear
+    from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+
+    model = _random_model(device, preset)
+    cfg = model.config
+    block_size = 16
+    max_len = context + steps + block_size
+    model.rope_tables(max_len, device, torch.bfloat16)
+    blocks_per_seq = -(-max_len // block_size)
+    block_ids = [
+        list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)
+    ]
+    metas = [
+        build_attention_metadata([1] * batch, [context + s] * batch, block_ids, block_size, device)
+        for s in range(steps)
+    ]
+    positions = [torch.full((batch,), context + s, device=device) for s in range(steps)]
+    configs = [
+        ("bf16 cache, eager", torch.bfloat16, False, False),
+        ("bf16 cache, CUDA graphs", torch.bfloat16, True, False),
+        ("fp8 cache, eager", torch.float8_e4m3fn, False, False),
+        ("fp8 cache, CUDA graphs", torch.float8_e4m3fn, True, False),
+    ]
+    if fp8_linear.supports_scaled_mm(device):
+        configs.append(("fp8 weights + fp8 cache, CUDA graphs", torch.float8_e4m3fn, True, True))
+    rows, results, tokens_by_config = [], {}, {}
+    for label, kv_dtype, use_graphs, fp8_weights in configs:
+        if fp8_weights:  # irreversible: last
+            fp8_linear.quantize_model_weights(model, per_channel=True, use_scaled_mm=True)
+            torch.cuda.empty_cache()
+        spec = KVCacheSpec(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, kv_dtype
+        )
+        caches = allocate_kv_cache(spec, 1 + batch * blocks_per_seq, device)
+        for i, c in enumerate(caches):
+            _fill_cache(c, seed=100 + i)  # the same "prompt" state for every config
+        result, generated = _decode_loop(
+            model, caches, block_size, max_len, batch, metas, positions, use_graphs
+        )
+        tokens_by_config[label] = generated
+        results[label] = result
+        rows.append([label, result["step_ms"], result["tokens_per_s"], result["capture_s"]])
+        caches = []
+        torch.cuda.empty_cache()
+    same = {
+        "bf16": tokens_by_config["bf16 cache, eager"]
+        == tokens_by_config["bf16 cache, CUDA graphs"],
+        "fp8": tokens_by_config["fp8 cache, eager"] == tokens_by_config["fp8 cache, CUDA graphs"],
+    }
+    _log(
+        f"\n## End to end: {preset} shape, random weights, batch {batch} x {context} context, "
+        f"{steps} steps\n"
+    )
+    _log(_table(["config", "ms / step", "tokens/s", "capture s"], rows))
+    _log(f"\ngreedy tokens equal, eager vs CUDA graphs: {same}")
+    return {
+        "model": preset,
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        "by_config": results,
+        "graphs_match_eager": same,
+    }
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON results")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="skip sections past this")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=32, help="end-to-end decode steps")
+    parser.add_argument(
+        "--no-sweep", action="store_true", help="time the default kernel config only"
+    )
+    args = parser.parse_args()
+    t_start = time.perf_counter()
+
+    if not torch.cuda.is_available():
+        print(
+            "gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing to do.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        import triton
+    except ImportError:
+        print("gpu_check: triton is not installed (pip install triton)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    RESULTS["device"] = {
+        "name": props.name,
+        "capability": list(torch.cuda.get_device_capability(device)),
+        "memory_gib": props.total_memory / 2**30,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+    _log(
+        f"# infer8 gpu_check on {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}"
+    )
+
+    def section(name: str, fn: Callable[[], Any]) -> Any:
+        elapsed = time.perf_counter() - t_start
+        if elapsed > args.budget_s:
+            RESULTS["errors"][name] = (
+                f"skipped: {elapsed:.0f}s past the {args.budget_s:.0f}s budget"
+            )
+            _log(f"\n(skipping {name}: time budget)")
+            return None
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+            RESULTS["sections"][name] = out
+            return out
+        except Exception as e:  # one failing section must not hide the others' results
+            RESULTS["errors"][name] = f"{type(e).__name__}: {e}"
+            _log(f"\n{name} FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+            return None
+        finally:
+            _log(f"({name}: {time.perf_counter() - t0:.1f}s)")
+            torch.cuda.empty_cache()
+
+    section("kernels_vs_reference", lambda: check_kernels(device))
+    bw = section("bandwidth", lambda: copy_bandwidth(device))
+    copy_gbps = bw["copy_gb_per_s"] if bw else float("nan")
+    section(
+        "decode_attention",
+        lambda: decode_attention(device, copy_gbps, args.batch, args.context, not args.no_sweep),
+    )
+    section("end_to_end", lambda: end_to_end(device, args.batch, args.context, args.steps))
+    RESULTS["total_s"] = time.perf_counter() - t_start
+    Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
+    _log(f"\nwrote {args.out} ({RESULTS['total_s']:.0f}s total)")
+    return 1 if RESULTS["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tensor parallelism: sharding, collectives, rank 0's driver, the worker loop, launchers."""

@@ -1,0 +1,270 @@
+"""Rank 0's side of tensor parallelism: start or join the workers, send each step, watch them.
+
+The scheduler runs only here. Each step its plain-data output goes to every worker, then rank
+0 runs its own shard; the ranks meet in the all-reduces of the forward pass and only rank 0
+samples. A worker that dies fails the step with an error naming it, within moments: its closed
+connections fail the collective waiting on it, and its exit is checked before every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from infer8.config import EngineArgs
+from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from infer8.distributed import launch
+from infer8.distributed.parallel_state import STARTUP_TIMEOUT_S, TensorParallelGroup, new_group
+from infer8.distributed.sharding import check_tensor_parallel_size
+from infer8.distributed.worker import StepMessage, WorkerFailure, run_spawned_worker
+from infer8.models.llama import LlamaArchConfig
+from infer8.models.loader import read_hf_config
+from infer8.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# After a failed step, how long to wait for a dying worker's exit to become visible.
+_DEATH_GRACE_S = 2.0
+# On shutdown, how long a worker may take to exit before it is killed.
+_SHUTDOWN_S = 5.0
+
+
+@dataclass
+class WorkerHandle:
+    """Rank 0's link to one worker: its connection, and its process if rank 0 started it."""
+
+    rank: int
+    conn: Connection
+    process: BaseProcess | None = None  # None for a worker a launcher started
+    failure: str | None = None
+
+    def find_failure(self) -> str | None:
+        """Return why this worker is gone (failed, died, disconnected), or None if it is up."""
+        if self.failure is None:
+            self.failure = self._probe()
+        return self.failure
+
+    def _probe(self) -> str | None:
+        try:
+            has_news = self.conn.poll()  # workers only write when failing; EOF when dead
+        except OSError:
+            has_news = True
+        if has_news:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                message = None
+            if isinstance(message, WorkerFailure):
+                return f"failed: {message.message}"
+            if self.process is None:
+                return "disconnected (it died, or the network to it failed)"
+        if self.process is not None:
+            if has_news:
+                self.process.join(_DEATH_GRACE_S)  # the pipe closed: the exit is moments away
+            if not self.process.is_alive():
+                return f"died ({_describe_exit(self.process.exitcode)})"
+        return None
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"exit code {exitcode}, killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+class TensorParallelExecutor:
+    """Owns the workers of ranks 1..N-1 (their processes when spawned here) and rank 0's group."""
+
+    def __init__(self, workers: list[WorkerHandle]) -> None:
+        self.workers = workers
+        self._group: TensorParallelGroup | None = None
+        self._sampled_token_ids: dict[str, int] = {}
+        # Stops the workers when the engine is collected or the interpreter exits.
+        self._finalizer = weakref.finalize(self, _stop_workers, list(workers))
+
+    @property
+    def group(self) -> TensorParallelGroup:
+        """Return rank 0's tensor-parallel group."""
+        assert self._group is not None, "the executor has not joined its group"
+        return self._group
+
+    @classmethod
+    def start(
+        cls, args: EngineArgs, model_path: str, device: torch.device
+    ) -> TensorParallelExecutor:
+        """Spawn ranks 1..N-1 here, or join those a launcher started (torchrun env set)."""
+        if Path(model_path).is_dir():  # refuse a bad split before starting any process
+            arch_config = LlamaArchConfig.from_hf_config(read_hf_config(Path(model_path)))
+            check_tensor_parallel_size(arch_config, args.tensor_parallel_size)
+        env = launch.launched_env(args.tensor_parallel_size)
+        if env is None:
+            return cls._spawn(args, model_path, device)
+        if env.rank != 0:
+            raise ValueError(
+                f"launched as rank {env.rank}: only rank 0 builds the engine; start every rank "
+                "with `infer8 serve`, whose other ranks run the worker loop"
+            )
+        return cls._join_launched(env, device)
+
+    @classmethod
+    def _spawn(
+        cls, args: EngineArgs, model_path: str, device: torch.device
+    ) -> TensorParallelExecutor:
+        world_size = args.tensor_parallel_size
+        store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            world_size,
+            is_master=True,
+            timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+            wait_for_workers=False,
+        )
+        ctx = mp.get_context("spawn")
+        worker_args = dataclasses.replace(args, model=model_path)
+        workers = []
+        for rank in range(1, world_size):
+            conn, child_conn = ctx.Pipe()
+            process = ctx.Process(
+                target=run_spawned_worker,
+                args=(
+                    worker_args,
+                    rank,
+                    world_size,
+                    store.port,
+                    child_conn,
+                    torch.get_num_threads(),
+                ),
+                name=f"infer8-tp-rank{rank}",
+                daemon=True,
+            )
+            process.start()
+            child_conn.close()  # so the pipe reads EOF once the worker is gone
+            workers.append(WorkerHandle(rank, conn, process))
+        return cls(workers)._join_group(store, world_size, device)
+
+    @classmethod
+    def _join_launched(cls, env: launch.LaunchEnv, device: torch.device) -> TensorParallelExecutor:
+        if device.type == "cuda":
+            torch.cuda.set_device(env.local_rank)
+        store = launch.rendezvous_store(env)
+        authkey = os.urandom(32)
+        with Listener(("0.0.0.0", 0), authkey=authkey) as listener:
+            store.set(launch.AUTHKEY_KEY, authkey.hex())
+            store.set(launch.ADDRESS_KEY, f"{env.master_addr}:{listener.address[1]}")
+            conns = _accept(listener, env.world_size - 1)
+        executor = cls([WorkerHandle(rank, conn) for rank, conn in sorted(conns.items())])
+        return executor._join_group(store, env.world_size, device)
+
+    def _join_group(
+        self, store: dist.Store, world_size: int, device: torch.device
+    ) -> TensorParallelExecutor:
+        # A weak reference: the group lives in the model's layers and must not keep the
+        # executor (whose collection stops the workers) alive.
+        check_workers = weakref.WeakMethod(self.check_workers)
+
+        def check_peers() -> None:
+            method = check_workers()
+            if method is not None:
+                method()
+
+        self._group = new_group(store, 0, world_size, device, check_peers)
+        return self
+
+    def find_failure(self, wait_s: float = 0.0) -> str | None:
+        """Return what happened to the first worker that failed or died (waiting up to wait_s)."""
+        ready: list[Connection | int] = [w.conn for w in self.workers]
+        ready += [w.process.sentinel for w in self.workers if w.process is not None]
+        if not any(w.failure for w in self.workers) and not wait(ready, timeout=wait_s):
+            return None
+        for worker in self.workers:
+            failure = worker.find_failure()
+            if failure is not None:
+                return f"tensor-parallel worker rank {worker.rank} {failure}"
+        return None
+
+    def is_healthy(self) -> bool:
+        """Return whether every worker is up (safe from any thread: it reads nothing)."""
+        if not self._finalizer.alive or any(w.failure is not None for w in self.workers):
+            return False
+        watched: list[Connection | int] = [w.conn for w in self.workers]
+        watched += [w.process.sentinel for w in self.workers if w.process is not None]
+        return not wait(watched, timeout=0)
+
+    def check_workers(self) -> None:
+        """Raise RuntimeError if a worker has failed or died."""
+        failure = self.find_failure()
+        if failure is not None:
+            raise RuntimeError(failure)
+
+    def execute(self, runner: ModelRunner, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Send the step to the workers, run rank 0's shard and sample; return the samples."""
+        self.check_workers()
+        message = StepMessage(scheduler_output, self._sampled_token_ids)
+        try:
+            for worker in self.workers:
+                worker.conn.send(message)
+            output = runner.execute(scheduler_output)
+        except Exception as e:
+            # A dead peer surfaces as a broken pipe or a failed collective: name it.
+            failure = self.find_failure(wait_s=_DEATH_GRACE_S)
+            if failure is not None:
+                raise RuntimeError(failure) from e
+            raise
+        self._sampled_token_ids = dict(output.sampled_token_ids)
+        return output
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+        self._finalizer()
+
+
+def _accept(listener: Listener, num_workers: int) -> dict[int, Connection]:
+    """Accept every worker's connection (each first sends its rank), or fail after a timeout."""
+    conns: dict[int, Connection] = {}
+
+    def accept_all() -> None:
+        while len(conns) < num_workers:
+            conn = listener.accept()
+            conns[conn.recv()] = conn
+
+    thread = threading.Thread(target=accept_all, name="infer8-tp-accept", daemon=True)
+    thread.start()
+    thread.join(STARTUP_TIMEOUT_S)
+    if len(conns) < num_workers:
+        raise RuntimeError(
+            f"tensor parallelism: {len(conns)} of {num_workers} workers connected to rank 0 "
+            f"within {STARTUP_TIMEOUT_S:.0f} s"
+        )
+    return conns
+
+
+def _stop_workers(workers: list[WorkerHandle]) -> None:
+    """Tell every worker to exit, then make sure the ones started here did."""
+    for worker in workers:
+        try:
+            worker.conn.send(None)
+        except OSError:
+            pass
+    for worker in workers:
+        if worker.process is not None:
+            worker.process.join(_SHUTDOWN_S)
+            if worker.process.is_alive():
+                logger.warning(
+                    "tensor-parallel worker rank %d did not stop; killing it", worker.rank
+                )
+                worker.process.kill()
+                worker.process.join(_SHUTDOWN_S)
+        worker.conn.close()

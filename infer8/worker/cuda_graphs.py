@@ -1,0 +1,162 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, padded up to the bucket.
+
+A decode step launches a few kernels per layer with almost no work each, so on a GPU the
+launch overhead rivals the math; replaying a captured graph removes it. Each bucket owns static
+input buffers (token ids, positions, slots, context lengths, block tables) that a step copies
+into before replay. Padding rows have slot -1 (nothing is written) and context length 0 (the
+attention kernel returns zeros), so they cannot disturb real sequences. Without CUDA the same
+class runs the model eagerly on those buffers, which lets CPU tests check the padding.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from infer8.attention.metadata import AttentionMetadata
+from infer8.attention.triton_paged import TritonAttention, TritonStepMetadata
+from infer8.models.llama import LlamaForCausalLM
+from infer8.worker.kv_cache import LayerKVCache
+
+logger = logging.getLogger(__name__)
+
+# vLLM's shape: small sizes one by one, then steps of 8 and 16.
+_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Return the batch sizes to capture: the standard ones up to max_num_seqs, and it."""
+    buckets = [b for b in _BUCKETS if b < max_num_seqs]
+    return [*buckets, max_num_seqs]
+
+
+def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
+    """Return the smallest bucket that holds num_seqs, None when it is larger than all."""
+    return next((b for b in buckets if b >= num_seqs), None)
+
+
+class _Bucket:
+    """The static buffers, metadata and (on CUDA) the graph of one batch size."""
+
+    def __init__(
+        self, size: int, max_blocks: int, max_model_len: int, device: torch.device
+    ) -> None:
+        self.size = size
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((size, max_blocks), dtype=torch.int64, device=device)
+        token_ids = torch.arange(size, device=device)
+        self.meta = AttentionMetadata(
+            num_real_tokens=size,
+            slot_mapping=self.slot_mapping,
+            query_start_loc=list(range(size + 1)),
+            seq_lens=[max_model_len] * size,  # an upper bound; the kernels read self.seq_lens
+            block_tables=self.block_tables,
+            decode_seq_ids=list(range(size)),
+            decode_token_ids=token_ids,
+            decode_block_tables=self.block_tables,
+            decode_mask=torch.empty(0, dtype=torch.bool, device=device),  # reference-only
+            prefill_seq_ids=[],
+        )
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        self.step = TritonStepMetadata(
+            decode_token_ids=token_ids,
+            decode_seq_lens=self.seq_lens,
+            decode_block_tables=self.block_tables,
+            prefill_q_start=empty,
+            prefill_q_lens=empty,
+            prefill_seq_lens=empty,
+            prefill_block_tables=self.block_tables[:0],
+            prefill_max_q_len=0,
+        )
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.hidden: torch.Tensor | None = None  # [size, hidden_size], the graph's output
+
+
+class CUDAGraphDecodeRunner:
+    """Owns one captured decode graph per batch bucket and runs all-decode steps through them."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[LayerKVCache],
+        backend: TritonAttention,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        buckets: list[int] | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.device = backend.device
+        self.buckets = sorted(buckets) if buckets else batch_buckets(max_num_seqs)
+        max_blocks = -(-max_model_len // block_size)
+        self._buckets = {
+            size: _Bucket(size, max_blocks, max_model_len, self.device) for size in self.buckets
+        }
+        self.use_graphs = self.device.type == "cuda"
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and capture every bucket, largest first, sharing one memory pool."""
+        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        for size in sorted(self.buckets, reverse=True):
+            bucket = self._buckets[size]
+            self.backend.bind(bucket.meta, bucket.step)
+            if not self.use_graphs:
+                continue
+            self._forward(bucket)  # compiles the kernels outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                bucket.hidden = self._forward(bucket)
+            bucket.graph = graph
+        if self.use_graphs:
+            torch.cuda.synchronize(self.device)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def _forward(self, bucket: _Bucket) -> torch.Tensor:
+        self.backend.bind(bucket.meta, bucket.step)
+        return self.model(bucket.input_ids, bucket.positions, bucket.meta, self.kv_caches)
+
+    def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Return whether a step of num_tokens is all decodes, unpadded, within the buckets."""
+        return (
+            not meta.prefill_seq_ids
+            and meta.num_real_tokens == meta.num_seqs == num_tokens
+            and bucket_for(meta.num_seqs, self.buckets) is not None
+        )
+
+    @torch.inference_mode()
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Run an all-decode step padded to its bucket; return hidden states [num_seqs, hidden].
+
+        The result is a view of the bucket's static output: use it before the next run.
+        """
+        n = meta.num_seqs
+        size = bucket_for(n, self.buckets)
+        assert size is not None and self.can_run(meta, input_ids.shape[0])
+        bucket = self._buckets[size]
+        bucket.input_ids[:n].copy_(input_ids)
+        bucket.input_ids[n:].zero_()
+        bucket.positions[:n].copy_(positions)
+        bucket.positions[n:].zero_()
+        bucket.slot_mapping[:n].copy_(meta.slot_mapping)
+        bucket.slot_mapping[n:].fill_(-1)
+        bucket.seq_lens[:n].copy_(torch.tensor(meta.seq_lens, dtype=torch.int32))
+        bucket.seq_lens[n:].zero_()
+        width = meta.decode_block_tables.shape[1]
+        assert width <= bucket.block_tables.shape[1], "a sequence is longer than max_model_len"
+        bucket.block_tables[:n, :width].copy_(meta.decode_block_tables)
+        if bucket.graph is None:  # CPU (or not captured): the same buffers, run eagerly
+            bucket.hidden = self._forward(bucket)
+        else:
+            bucket.graph.replay()
+        assert bucket.hidden is not None
+        return bucket.hidden[:n]

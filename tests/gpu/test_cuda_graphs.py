@@ -1,0 +1,119 @@
+"""Decode CUDA graphs: buckets, padding that changes nothing, and (on a GPU) replay."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (Linux x86_64 test extra)")
+
+from infer8.attention import triton_paged  # noqa: E402
+from infer8.attention.metadata import build_attention_metadata  # noqa: E402
+from infer8.models.loader import load_model  # noqa: E402
+from infer8.worker import cuda_graphs  # noqa: E402
+from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA and not triton_paged.is_interpreted():
+    triton_paged = importlib.reload(triton_paged)
+    cuda_graphs = importlib.reload(cuda_graphs)
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+BLOCK_SIZE = 16
+
+
+def test_buckets_cover_every_batch_size_up_to_max_num_seqs() -> None:
+    buckets = cuda_graphs.batch_buckets(100)
+    assert buckets[:4] == [1, 2, 4, 8] and buckets[-1] == 100 and buckets == sorted(buckets)
+    assert cuda_graphs.bucket_for(3, buckets) == 4
+    assert cuda_graphs.bucket_for(64, buckets) == 64
+    assert cuda_graphs.bucket_for(97, buckets) == 100
+    assert cuda_graphs.bucket_for(101, buckets) is None
+    assert cuda_graphs.batch_buckets(1) == [1]
+
+
+def _setup(llama_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple:
+    model, _, _ = load_model(str(llama_dir), dtype, DEVICE)
+    backend = triton_paged.TritonAttention(DEVICE)
+    model.set_attention_backend(backend)
+    model.rope_tables(256, DEVICE, dtype)
+    cfg = model.config
+    spec = KVCacheSpec(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, BLOCK_SIZE, kv_dtype
+    )
+    caches = allocate_kv_cache(spec, 32, DEVICE)
+    return model, backend, caches
+
+
+def _prefill(model: torch.nn.Module, caches: list, prompts: list[list[int]]) -> list[list[int]]:
+    """Run the prompts through the model; return each one's blocks (with room to decode)."""
+    block_ids, next_block = [], 0
+    for p in prompts:
+        n = -(-(len(p) + 8) // BLOCK_SIZE)
+        block_ids.append(list(range(next_block, next_block + n)))
+        next_block += n
+    meta = build_attention_metadata(
+        [len(p) for p in prompts], [0] * len(prompts), block_ids, BLOCK_SIZE, DEVICE
+    )
+    ids = torch.tensor([t for p in prompts for t in p], device=DEVICE)
+    positions = torch.tensor([i for p in prompts for i in range(len(p))], device=DEVICE)
+    with torch.inference_mode():
+        model(ids, positions, meta, caches)
+    return block_ids
+
+
+def test_padded_bucket_decode_equals_unpadded_and_writes_nothing_else(llama_dir: Path) -> None:
+    """On CPU the runner replays eagerly, so this checks the buckets' padding, not capture."""
+    model, backend, caches = _setup(llama_dir, torch.float32, torch.float8_e4m3fn)
+    prompts = [[3, 9, 27, 81, 11], list(range(5, 24)), list(range(40, 73))]
+    block_ids = _prefill(model, caches, prompts)
+    lens = [len(p) for p in prompts]
+    meta = build_attention_metadata([1, 1, 1], lens, block_ids, BLOCK_SIZE, DEVICE)
+    ids = torch.tensor([7, 8, 9], device=DEVICE)
+    positions = torch.tensor(lens, device=DEVICE)
+    with torch.inference_mode():
+        want = model(ids, positions, meta, caches)
+    before = [(c.k.clone(), c.v.clone(), c.k_scale.clone(), c.v_scale.clone()) for c in caches]
+
+    runner = cuda_graphs.CUDAGraphDecodeRunner(model, caches, backend, BLOCK_SIZE, 256, 8)
+    runner.capture()
+    assert runner.can_run(meta, 3) and not runner.can_run(meta, 4)  # static-batch padding
+    got = runner.run(ids, positions, meta)  # bucket 4: one padding row
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for cache, old in zip(caches, before):  # same K/V rewritten; padding stored nothing
+        for t, o in zip((cache.k, cache.v, cache.k_scale, cache.v_scale), old):
+            assert torch.equal(t.view(torch.uint8), o.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_graph_replay_greedy_tokens_equal_eager(llama_dir: Path, kv_dtype: torch.dtype) -> None:
+    prompts = [[3, 9, 27, 81, 11], list(range(5, 24)), list(range(40, 73))]
+    outputs = []
+    for use_graph in (False, True):
+        model, backend, caches = _setup(llama_dir, torch.bfloat16, kv_dtype)
+        block_ids = _prefill(model, caches, prompts)
+        runner = cuda_graphs.CUDAGraphDecodeRunner(model, caches, backend, BLOCK_SIZE, 256, 8)
+        if use_graph:
+            runner.capture()
+        lens = [len(p) for p in prompts]
+        tokens = torch.tensor([1, 2, 3], device=DEVICE)
+        generated = []
+        for _ in range(6):
+            meta = build_attention_metadata([1] * 3, lens, block_ids, BLOCK_SIZE, DEVICE)
+            positions = torch.tensor(lens, device=DEVICE)
+            with torch.inference_mode():
+                hidden = (
+                    runner.run(tokens, positions, meta)
+                    if use_graph
+                    else model(tokens, positions, meta, caches)
+                )
+                tokens = model.compute_logits(hidden).argmax(-1)
+            generated.append(tokens.tolist())
+            lens = [n + 1 for n in lens]
+        outputs.append(generated)
+    assert outputs[0] == outputs[1]

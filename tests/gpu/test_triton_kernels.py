@@ -1,0 +1,303 @@
+"""Triton attention kernels against TorchRefAttention: on CUDA natively, on CPU interpreted.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 (numpy, tiny shapes); triton reads that
+variable when a kernel is defined, so it is set before infer8.attention.triton_paged is
+imported, and the module is reloaded if something imported it earlier without it.
+
+Both sides read the same cache, so the kernels are held to the compute dtype's rounding, not
+to FP8's: the reference rounds scores and outputs to the model dtype (bf16 keeps 8 significant
+bits, fp16 11), the kernels accumulate in fp32 and round the softmax weights once. Outputs and
+unused cache slots are poisoned with NaN first, so anything unwritten or read past a
+sequence's end fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed (Linux x86_64 test extra)")
+
+from infer8.attention import triton_paged  # noqa: E402
+from infer8.attention.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
+from infer8.attention.torch_ref import TorchRefAttention  # noqa: E402
+from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache  # noqa: E402
+
+if not HAS_CUDA and not triton_paged.is_interpreted():
+    triton_paged = importlib.reload(triton_paged)
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+BLOCK_SIZE = 16
+CACHE_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+# Norm-wise relative error bound by compute dtype: a few roundings of 2**-9 (bf16) / 2**-12.
+REL_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
+# Elementwise: a few units in the last place at the outputs' magnitude (~1).
+ELEM_TOL = {torch.bfloat16: 4e-2, torch.float16: 5e-3}
+
+
+def _model_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    return torch.float16 if cache_dtype == torch.float16 else torch.bfloat16
+
+
+def _poison(t: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    """Fill t (or the slots `where` of [kvh, num_slots, ...]) with NaN bit patterns."""
+    if t.element_size() == 1:  # 0xFF is NaN in e4m3fn and in e5m2
+        t = t.view(torch.uint8)
+        value: float | int = 0xFF
+    else:
+        value = float("nan")
+    if where is None:
+        t.fill_(value)
+    else:
+        t.view(t.shape[0], -1, *t.shape[3:])[:, where] = value
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _cache(
+    cache_dtype: torch.dtype, num_kv_heads: int, head_dim: int, num_blocks: int, static: str
+) -> LayerKVCache:
+    spec = KVCacheSpec(1, num_kv_heads, head_dim, BLOCK_SIZE, cache_dtype)
+    cache = allocate_kv_cache(spec, num_blocks, DEVICE)[0]
+    if static != "dynamic":
+        shape = (num_kv_heads, 1) if static == "head" else (num_kv_heads, head_dim)
+        cache.k_static_scale = torch.rand(shape, device=DEVICE) * 0.02 + 0.005
+        cache.v_static_scale = torch.rand(shape, device=DEVICE) * 0.02 + 0.005
+    return cache
+
+
+def _clone(cache: LayerKVCache) -> LayerKVCache:
+    def c(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.clone()
+
+    return LayerKVCache(
+        c(cache.k), c(cache.v), c(cache.k_scale), c(cache.v_scale),  # type: ignore[arg-type]
+        cache.k_static_scale, cache.v_static_scale, c(cache.num_saturated),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "cache_dtype, static",
+    [
+        (torch.bfloat16, "dynamic"),
+        (torch.float16, "dynamic"),
+        (torch.float8_e4m3fn, "dynamic"),
+        (torch.float8_e5m2, "dynamic"),
+        (torch.float8_e4m3fn, "head"),
+        (torch.float8_e4m3fn, "channel"),
+        (torch.float8_e5m2, "channel"),
+    ],
+)
+def test_write_kv_stores_what_the_reference_stores_bit_for_bit(
+    cache_dtype: torch.dtype, static: str
+) -> None:
+    torch.manual_seed(0)
+    num_kv_heads, head_dim, num_tokens = 3, 64, 21
+    cache = _cache(cache_dtype, num_kv_heads, head_dim, 8, static)
+    for t in (cache.k, cache.v, cache.k_scale, cache.v_scale):
+        if t is not None:
+            _poison(t)
+    ref_cache = _clone(cache)
+    dtype = _model_dtype(cache_dtype)
+    # K/V as strided views of a fused projection, with an outlier token and clipped values
+    qkv = torch.randn(num_tokens, (4 + 2) * num_kv_heads * head_dim, dtype=dtype, device=DEVICE)
+    qkv[5] *= 300.0
+    qkv[:, ::5] *= 1e-4  # FP8 subnormals, and tiny negatives that round to -0.0
+    _, k, v = qkv.split([4 * num_kv_heads * head_dim] + [num_kv_heads * head_dim] * 2, dim=-1)
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(8 * BLOCK_SIZE, device=DEVICE)[:num_tokens]
+    slots[-1] = -1  # a padding token: stored nowhere
+    TorchRefAttention().write_kv(ref_cache, k[:-1], v[:-1], slots[:-1])
+    triton_paged.write_kv(cache, k, v, slots)
+    for name in ("k", "v", "k_scale", "v_scale"):
+        got, want = getattr(cache, name), getattr(ref_cache, name)
+        if want is not None:
+            assert torch.equal(_bits(got), _bits(want)), name
+    if static != "dynamic":
+        assert int(cache.num_saturated) == int(ref_cache.num_saturated) > 0
+
+
+def _mixed_batch(
+    num_kv_heads: int, head_dim: int, cache: LayerKVCache, seed: int
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Fill the cache for a ragged mixed batch; return its metadata and the used-slot mask.
+
+    Decodes at block boundaries (15/16/17 tokens of context, 1, a long one), a chunked prefill
+    over a cached prefix and a fresh prompt; contexts land in randomly permuted blocks.
+    """
+    rng = random.Random(seed)
+    computed = [16, 15, 0, 70, 17, 13, 0]
+    query_lens = [1, 1, 1, 1, 1, 20, 37]
+    rng.shuffle(order := list(range(len(computed))))
+    computed = [computed[i] for i in order]
+    query_lens = [query_lens[i] for i in order]
+    num_blocks = cache.k.shape[1]
+    # block 0 stays unused (poisoned): zero-padded block-table entries point at it
+    perm = rng.sample(range(1, num_blocks), num_blocks - 1)
+    block_ids = []
+    for c, q in zip(computed, query_lens):
+        n = -(-(c + q) // BLOCK_SIZE)
+        block_ids.append(perm[:n])
+        perm = perm[n:]
+    # the whole context through the reference writer (this step's tokens included)
+    full = build_attention_metadata(
+        [c + q for c, q in zip(computed, query_lens)], [0] * len(computed), block_ids,
+        BLOCK_SIZE, DEVICE,
+    )  # fmt: skip
+    n = full.num_real_tokens
+    dtype = _model_dtype(cache.k.dtype)
+    k = torch.randn(n, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v = torch.randn(n, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    TorchRefAttention().write_kv(cache, k, v, full.slot_mapping)
+    used = torch.zeros(num_blocks * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
+    used[full.slot_mapping] = True
+    meta = build_attention_metadata(query_lens, computed, block_ids, BLOCK_SIZE, DEVICE)
+    return meta, used
+
+
+def _check_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isfinite(got).all(), "unwritten or poisoned values in the output"
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert rel <= REL_TOL[dtype], rel
+    tol = ELEM_TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+def test_forward_matches_reference_on_a_ragged_mixed_batch(
+    cache_dtype: torch.dtype, group: int, head_dim: int
+) -> None:
+    torch.manual_seed(group * head_dim)
+    num_kv_heads = 2 if group < 8 else 1
+    num_heads = group * num_kv_heads
+    cache = _cache(cache_dtype, num_kv_heads, head_dim, 24, "dynamic")
+    meta, used = _mixed_batch(num_kv_heads, head_dim, cache, seed=group + head_dim)
+    dtype = _model_dtype(cache_dtype)
+    num_tokens = meta.num_real_tokens + 3  # three padding tokens at the end
+    q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=DEVICE)
+    want = TorchRefAttention().forward(q, cache, meta, head_dim**-0.5)
+
+    for t in (cache.k, cache.v, cache.k_scale, cache.v_scale):
+        if t is not None:
+            _poison(t, ~used)
+    backend = triton_paged.TritonAttention(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    got = backend.forward(q, cache, meta, head_dim**-0.5, out=out)
+    assert got is out
+    assert torch.equal(got[meta.num_real_tokens :], torch.zeros_like(got[meta.num_real_tokens :]))
+    _check_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("static", ["dynamic", "head", "channel"])
+def test_split_decode_and_static_scales_match_reference(static: str) -> None:
+    """Several splits per context (and the reduce kernel) agree with the reference."""
+    torch.manual_seed(1)
+    num_kv_heads, group, head_dim = 2, 3, 64
+    cache = _cache(torch.float8_e4m3fn, num_kv_heads, head_dim, 24, static)
+    meta, used = _mixed_batch(num_kv_heads, head_dim, cache, seed=7)
+    q = torch.randn(meta.num_real_tokens, num_kv_heads * group, head_dim, device=DEVICE)
+    q = q.to(torch.bfloat16)
+    want = TorchRefAttention().forward(q, cache, meta, head_dim**-0.5)
+    for t in (cache.k, cache.v, cache.k_scale, cache.v_scale):
+        _poison(t, ~used)
+
+    # 16-token splits: the 71-token context gets up to 5, the others 1 or 2
+    config = triton_paged.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
+    backend = triton_paged.TritonAttention(DEVICE, config, num_splits=3)
+    step = backend.prepare(meta)
+    dec = meta.decode_token_ids
+    outs = []
+    for num_splits in (1, 3, 8):
+        out = torch.full_like(q, float("nan"))
+        triton_paged.paged_decode_attention(
+            q, cache, out, step.decode_token_ids, step.decode_seq_lens,
+            step.decode_block_tables, head_dim**-0.5, num_splits, config,
+        )  # fmt: skip
+        _check_close(out[dec], want[dec], torch.bfloat16)
+        outs.append(out[dec])
+    assert not torch.equal(outs[0], outs[2])  # the splits really differ
+    out = backend.forward(q, cache, meta, head_dim**-0.5, out=torch.full_like(q, float("nan")))
+    _check_close(out, want, torch.bfloat16)
+
+
+def test_decode_output_of_a_sequence_does_not_depend_on_the_batch() -> None:
+    """Batch invariance: what CUDA-graph padding and eager steps rely on to agree."""
+    torch.manual_seed(2)
+    cache = _cache(torch.float8_e4m3fn, 2, 64, 24, "dynamic")
+    meta, _ = _mixed_batch(2, 64, cache, seed=3)
+    q = torch.randn(meta.num_real_tokens, 6, 64, dtype=torch.bfloat16, device=DEVICE)
+    config = triton_paged.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
+    step = triton_paged.TritonAttention(DEVICE, config).prepare(meta)
+    full = torch.zeros_like(q)
+    args = (step.decode_token_ids, step.decode_seq_lens, step.decode_block_tables)
+    triton_paged.paged_decode_attention(q, cache, full, *args, 0.125, 4, config)
+    for b in range(len(meta.decode_seq_ids)):  # each sequence alone
+        alone = torch.zeros_like(q)
+        triton_paged.paged_decode_attention(
+            q, cache, alone, *(a[b : b + 1] for a in args), 0.125, 4, config
+        )
+        row = step.decode_token_ids[b]
+        assert torch.equal(alone[row], full[row])
+
+
+def test_decode_padding_sequences_get_zeros() -> None:
+    """seq_len 0 (a CUDA-graph bucket's padding row) gives zeros, split or not."""
+    cache = _cache(torch.bfloat16, 1, 64, 4, "dynamic")
+    q = torch.randn(4, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    table = torch.zeros((4, 2), dtype=torch.int64, device=DEVICE)
+    seq_lens = torch.tensor([5, 0, 20, 0], dtype=torch.int32, device=DEVICE)
+    token_idx = torch.arange(4, device=DEVICE)
+    for num_splits in (1, 2):
+        out = torch.full_like(q, float("nan"))
+        triton_paged.paged_decode_attention(
+            q, cache, out, token_idx, seq_lens, table, 0.125, num_splits,
+            triton_paged.KernelConfig(decode_block_n=16, decode_min_split_tokens=16),
+        )  # fmt: skip
+        assert torch.isfinite(out).all()
+        assert not out[1].any() and not out[3].any()
+
+
+def test_choose_num_splits_lets_one_sequence_reach_every_sm() -> None:
+    assert triton_paged.choose_num_splits(8, 132) == 32  # H100 SXM, Llama-3-8B
+    assert triton_paged.choose_num_splits(4, 132) == 64  # Qwen2-7B: capped
+    assert triton_paged.choose_num_splits(8, 4) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+def test_long_context_decode_on_gpu(cache_dtype: torch.dtype) -> None:
+    """Batch 16 over 2-4K-token contexts with the device's own split choice."""
+    torch.manual_seed(0)
+    num_kv_heads, group, head_dim, batch = 8, 4, 128, 16
+    seq_lens = [random.Random(i).randint(2000, 4100) for i in range(batch)]
+    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    cache = _cache(cache_dtype, num_kv_heads, head_dim, sum(blocks_per_seq), "dynamic")
+    perm = torch.randperm(sum(blocks_per_seq)).tolist()
+    block_ids = []
+    for n in blocks_per_seq:
+        block_ids.append(perm[:n])
+        perm = perm[n:]
+    full = build_attention_metadata(seq_lens, [0] * batch, block_ids, BLOCK_SIZE, DEVICE)
+    dtype = _model_dtype(cache_dtype)
+    kv = torch.randn(2, full.num_real_tokens, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    TorchRefAttention().write_kv(cache, kv[0], kv[1], full.slot_mapping)
+    meta = build_attention_metadata(
+        [1] * batch, [n - 1 for n in seq_lens], block_ids, BLOCK_SIZE, DEVICE
+    )
+    q = torch.randn(batch, num_kv_heads * group, head_dim, dtype=dtype, device=DEVICE)
+    want = TorchRefAttention().forward(q, cache, meta, head_dim**-0.5)
+    got = triton_paged.TritonAttention(DEVICE).forward(q, cache, meta, head_dim**-0.5)
+    _check_close(got, want, dtype)
