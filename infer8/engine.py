@@ -158,8 +158,11 @@ class LLMEngine:
 
             return TritonAttention(model_config.device)
         fp8 = self.kv_spec.is_fp8
-        # FP8 on CPU: the native gather+dequantize kernel, else compiled torch dequantization.
-        return TorchRefAttention(use_compile=fp8 and not model_config.enforce_eager, use_native=fp8)
+        # On CPU the native kernels gather (and dequantize FP8) blocks over all threads; without
+        # a C compiler, FP8 falls back to compiled torch dequantization.
+        return TorchRefAttention(
+            use_compile=fp8 and not model_config.enforce_eager, use_native=True
+        )
 
     def _setup_kv_scales(self, ckpt_scales: dict[int, dict[str, torch.Tensor]]) -> str:
         """Install static FP8 scales if asked for; return where scales come from.

@@ -73,6 +73,10 @@ class NativeFP8Gather:
         fn.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int, p, p]
         fn.restype = None
         self._fn = fn
+        gather = lib.infer8_gather_blocks
+        gather.argtypes = [p, p, i64, i64, i64, i64, p]
+        gather.restype = None
+        self._gather = gather
         self._ones: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -83,6 +87,26 @@ class NativeFP8Gather:
         except (OSError, RuntimeError) as e:
             logger.warning("native FP8 gather unavailable (%s); using the torch path", e)
             return None
+
+    def gather(
+        self, cache_t: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Fill out [kvh, n, block_size, d] with cache_t's blocks `block_ids` (same dtype)."""
+        assert cache_t.is_contiguous() and out.is_contiguous() and out.dtype == cache_t.dtype
+        assert cache_t.device.type == "cpu" and block_ids.dtype == torch.int64
+        ids = block_ids.contiguous()
+        num_kv_heads, num_blocks = cache_t.shape[:2]
+        block_bytes = cache_t[0, 0].numel() * cache_t.element_size()
+        self._gather(
+            cache_t.data_ptr(),
+            ids.data_ptr(),
+            ids.numel(),
+            num_kv_heads,
+            num_blocks,
+            block_bytes,
+            out.data_ptr(),
+        )
+        return out
 
     def __call__(
         self,

@@ -126,7 +126,10 @@ class TorchRefAttention:
             blocks = cache_t.index_select(1, flat)
         else:
             buf = self._buffer(name, gathered, cache_t.dtype, cache_t.device)
-            blocks = torch.index_select(cache_t, 1, flat, out=buf)
+            if self._native is not None and cache_t.device.type == "cpu":
+                blocks = self._native.gather(cache_t, flat, buf)
+            else:
+                blocks = torch.index_select(cache_t, 1, flat, out=buf)
         blocks = blocks.view(shape)
         if scale_t is None:
             return blocks.to(out_dtype)

@@ -77,3 +77,17 @@ void infer8_gather_dequant_fp8(const uint8_t* cache, const uint16_t* scales,
         }
     }
 }
+
+// Gather whole blocks of a 16/32-bit cache: out[h, i] = cache[h, block_ids[i]] (block_bytes each).
+// index_select runs single-threaded here; this splits the copy over the OpenMP threads.
+void infer8_gather_blocks(const uint8_t* cache, const int64_t* block_ids, int64_t num_ids,
+                          int64_t num_kv_heads, int64_t num_blocks, int64_t block_bytes,
+                          uint8_t* out) {
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        for (int64_t i = 0; i < num_ids; i++) {
+            memcpy(out + (h * num_ids + i) * block_bytes,
+                   cache + (h * num_blocks + block_ids[i]) * block_bytes, (size_t)block_bytes);
+        }
+    }
+}

@@ -50,3 +50,12 @@ def test_all_fp8_codes_round_trip_exactly(native: NativeFP8Gather) -> None:
         out = torch.empty(1, 1, n, 1, dtype=torch.bfloat16)
         native(cache, ones, None, torch.tensor([0]), out)
         assert torch.equal(out.view(-1).float(), finite.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_block_gather_matches_index_select(native: NativeFP8Gather, dtype: torch.dtype) -> None:
+    cache = torch.randn(3, 9, 4, 16).to(dtype)
+    ids = torch.tensor([8, 0, 3, 3, 5], dtype=torch.int64)
+    out = torch.empty(3, 5, 4, 16, dtype=dtype)
+    native.gather(cache, ids, out)
+    assert torch.equal(out.view(torch.uint8), cache.index_select(1, ids).view(torch.uint8))
