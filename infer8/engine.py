@@ -113,7 +113,8 @@ class LLMEngine:
         kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, model_config.device)
         self.kv_caches = kv_caches
         self.kv_scale_source = self._setup_kv_scales(ckpt_kv_scales)
-        model.set_attention_backend(self._attention_backend(model_config))
+        self.attn_backend = self._attention_backend(model_config)
+        model.set_attention_backend(self.attn_backend)
         gib = self.num_blocks * self.kv_spec.bytes_per_block / GiB
         dtype_name = str(kv_dtype).removeprefix("torch.")
         print(
@@ -145,6 +146,25 @@ class LLMEngine:
             seed=model_config.seed,
             is_driver=tp_group is None or tp_group.rank == 0,
         )
+        if (
+            model_config.device.type == "cuda"
+            and not model_config.enforce_eager
+            and tp_group is None
+        ):
+            # Decode steps replay captured CUDA graphs per batch bucket (vLLM's default);
+            # --enforce-eager turns this off. Untested here: no GPU was available.
+            from infer8.worker.cuda_graphs import CUDAGraphDecodeRunner
+
+            graph_runner = CUDAGraphDecodeRunner(
+                model,
+                kv_caches,
+                self.attn_backend,
+                cache_config.block_size,  # type: ignore[arg-type]
+                self.max_model_len,
+                scheduler_config.max_num_seqs,
+            )
+            graph_runner.capture()
+            self.runner.graph_runner = graph_runner
         self.req_states: dict[str, RequestState] = {}
         self._req_counter = itertools.count()
         self.stat_loggers: list[Callable[[SchedulerStats], None]] = []
@@ -219,7 +239,10 @@ class LLMEngine:
         if self.cache_config.kv_cache_memory_bytes is not None:
             return self.cache_config.kv_cache_memory_bytes
         arch = model.config
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # FP8 weights live in buffers (Fp8Linear), so count those too
+        weight_bytes = sum(
+            t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+        )
         # Activations of the largest step: hidden states, fused projections and logits.
         tokens = scheduler_config.max_num_batched_tokens
         act_bytes = 4 * tokens * (4 * arch.hidden_size + 2 * arch.intermediate_size) * 2

@@ -159,6 +159,12 @@ def load_model(
         hf_config, weights = gguf.hf_config, iter(gguf.state_dict.items())
     else:
         hf_config = read_hf_config(path)
+        from infer8.quant.fp8_linear import fp8_checkpoint_scheme, load_fp8_model
+
+        if fp8_checkpoint_scheme(hf_config) is not None:
+            if tp_group is not None:
+                raise ValueError("FP8-weight checkpoints do not support tensor parallelism yet")
+            return load_fp8_model(path, dtype, device)
         weights = iter_safetensors(path)
     cfg = LlamaArchConfig.from_hf_config(hf_config)
     if tp_group is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from infer8.attention.metadata import build_attention_metadata
@@ -9,6 +11,9 @@ from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.models.llama import LlamaForCausalLM
 from infer8.worker.kv_cache import LayerKVCache
 from infer8.worker.sampler import Sampler, SamplingState
+
+if TYPE_CHECKING:  # triton is only needed (and installed) on CUDA machines
+    from infer8.worker.cuda_graphs import CUDAGraphDecodeRunner
 
 
 class ModelRunner:
@@ -33,6 +38,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(device, seed)
         self.states: dict[str, SamplingState] = {}
+        # Set by the engine on CUDA unless enforce_eager: replays captured decode graphs.
+        self.graph_runner: CUDAGraphDecodeRunner | None = None
 
     def _token_ids(self, state: SamplingState) -> list[int]:
         return state.prompt_token_ids + state.output_token_ids
@@ -70,12 +77,12 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta,
-            self.kv_caches,
-        )
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        if self.graph_runner is not None and self.graph_runner.can_run(meta, len(input_ids)):
+            hidden = self.graph_runner.run(ids_t, pos_t, meta)  # a captured CUDA-graph decode
+        else:
+            hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
         sample_rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
         if not sample_rows:
             return ModelRunnerOutput()
