@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from infer8.sampling_params import SamplingParams
 from infer8.tokenizer import Tokenizer
 from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from infer8.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from infer8.models.gguf_loader import GGUFModel
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +76,16 @@ class LLMEngine:
             # Rank 0 starts (or joins) ranks 1..N-1, which run this constructor on their shard.
             self.tp_executor = TensorParallelExecutor.start(args, model_path, model_config.device)
             tp_group = self.tp_executor.group
+        # A GGUF file is read once, for both the weights and the tokenizer.
+        gguf = _read_gguf(model_path)
         model, hf_config, ckpt_kv_scales = load_model(
-            model_path, model_config.dtype, model_config.device, tp_group
+            model_path, model_config.dtype, model_config.device, tp_group, gguf
         )
         self.tp_shard: TensorParallelShard | None = None
         if tp_group is not None:
             arch_config = LlamaArchConfig.from_hf_config(hf_config)
             self.tp_shard = TensorParallelShard(arch_config, tp_group.rank, tp_group.world_size)
-        self.tokenizer = _load_tokenizer(model_path)
+        self.tokenizer = _load_tokenizer(model_path, gguf)
         self.model_config, self.cache_config, self.scheduler_config = (
             model_config,
             cache_config,
@@ -394,14 +400,22 @@ class LLMEngine:
         return outputs
 
 
-def _load_tokenizer(model_path: str) -> Tokenizer:
-    """Load the tokenizer from a directory, or from a GGUF file's metadata."""
-    path = Path(model_path)
-    if path.is_dir():
-        return Tokenizer.from_dir(path)
-    from infer8.models.gguf_loader import load_gguf_tokenizer
+def _read_gguf(model_path: str) -> GGUFModel | None:
+    """Read a GGUF checkpoint (weights dequantized to float32); None for a model directory."""
+    if Path(model_path).is_dir():
+        return None
+    from infer8.models.gguf_loader import load_gguf
 
-    return load_gguf_tokenizer(path)
+    return load_gguf(model_path, dtype=torch.float32)
+
+
+def _load_tokenizer(model_path: str, gguf: GGUFModel | None) -> Tokenizer:
+    """Load the tokenizer from a directory, or from an already read GGUF's metadata."""
+    if gguf is None:
+        return Tokenizer.from_dir(Path(model_path))
+    from infer8.models.gguf_loader import tokenizer_from_gguf
+
+    return tokenizer_from_gguf(gguf)
 
 
 __all__ = ["LLMEngine", "EngineArgs", "CacheConfig"]

@@ -133,6 +133,20 @@ def load_gguf(
     )
 
 
+def tokenizer_from_gguf(model: GGUFModel) -> Tokenizer:
+    """Build infer8's Tokenizer from an already loaded GGUF checkpoint (no second file read)."""
+    from infer8.tokenizer import Tokenizer
+
+    eos = model.generation_config.get("eos_token_id")
+    eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
+    return Tokenizer(
+        HFTokenizer.from_str(model.tokenizer_json),
+        model.tokenizer_config,
+        eos_ids,
+        model.tokenizer_config.get("chat_template"),
+    )
+
+
 def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
     """Build infer8's Tokenizer from a GGUF file's metadata, without loading its weights."""
     from infer8.tokenizer import Tokenizer

@@ -7,7 +7,7 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -15,6 +15,9 @@ from safetensors import safe_open
 from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.distributed.sharding import TensorParallelShard
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from infer8.models.gguf_loader import GGUFModel
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +149,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp_group: TensorParallelGroup | None = None,
+    gguf: GGUFModel | None = None,
 ) -> tuple[LlamaForCausalLM, dict[str, Any], dict[int, dict[str, torch.Tensor]]]:
     """Load a model directory or .gguf file; return the model, its config dict, its KV scales.
 
@@ -155,7 +159,8 @@ def load_model(
     if path.suffix == ".gguf" or (path.is_file() and _has_gguf_magic(path)):
         from infer8.models.gguf_loader import load_gguf
 
-        gguf = load_gguf(path, dtype=torch.float32)
+        if gguf is None:  # the engine passes one it already read (for the tokenizer too)
+            gguf = load_gguf(path, dtype=torch.float32)
         hf_config, weights = gguf.hf_config, iter(gguf.state_dict.items())
     else:
         hf_config = read_hf_config(path)
