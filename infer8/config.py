@@ -183,6 +183,10 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     scheduler: str = "continuous"
     tensor_parallel_size: int = 1
+    generation_config: str = "auto"
+    override_generation_config: str | None = None
+    quantization: str | None = None
+    chat_template: str | None = None
 
     def create_parallel_config(self) -> ParallelConfig:
         """Validate and return the parallel layout (head counts are checked against the model)."""
@@ -191,6 +195,11 @@ class EngineArgs:
     def create_configs(self, model_path: str) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """Validate and split into the three configs (dtype auto is resolved by the loader)."""
         self.create_parallel_config()  # fails here, with the other values, when invalid
+        if self.quantization not in (None, "fp8", "none"):
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported; infer8 quantizes weights "
+                "to fp8 online (--quantization fp8) and loads FP8 checkpoints as they are"
+            )
         device = resolve_device(self.device)
         dtype = parse_dtype(self.dtype)
         if dtype is None:

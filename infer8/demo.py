@@ -83,4 +83,8 @@ def run_demo(args: EngineArgs, num_requests: int = 16) -> int:
         f"continuous / static throughput: {cont / static:.2f}x; fp8 / bf16 KV capacity: "
         f"{rows[2][2] / rows[1][2]:.2f}x at {f8 / cont:.2f}x the throughput"
     )
+    print(
+        f"(one short run of {num_requests} requests: the throughput ratios move by +-10% between "
+        "runs on a shared machine; docs/benchmarks.md has repeated, larger runs)"
+    )
     return 0

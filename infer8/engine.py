@@ -17,20 +17,23 @@ import torch
 from infer8.attention.torch_ref import AttentionBackend, TorchRefAttention
 from infer8.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from infer8.core.kv_cache_manager import KVCacheManager, cdiv
-from infer8.core.sched_output import SchedulerStats
+from infer8.core.sched_output import ModelRunnerOutput, SchedulerStats
 from infer8.core.scheduler import Scheduler, SchedulerBase
 from infer8.core.static_scheduler import StaticScheduler
 from infer8.distributed.executor import TensorParallelExecutor
 from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.distributed.sharding import TensorParallelShard
+from infer8.generation_config import sampling_defaults
+from infer8.models.default_model import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SAMPLING
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.models.loader import load_model
-from infer8.outputs import RequestOutput, RequestState
+from infer8.outputs import RequestOutput, RequestState, error_output
 from infer8.quant import kv_scales
 from infer8.request import Request, RequestStatus
 from infer8.sampling_params import SamplingParams
 from infer8.tokenizer import Tokenizer
 from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from infer8.worker.memory import plan_kv_memory
 from infer8.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -39,8 +42,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-# With no budget given on CPU, take at most this much RAM for the cache (vLLM's CPU default).
-_CPU_DEFAULT_KV_BYTES = 4 * GiB
 
 
 def _device_memory_bytes(device: torch.device) -> int:
@@ -85,7 +86,28 @@ class LLMEngine:
         if tp_group is not None:
             arch_config = LlamaArchConfig.from_hf_config(hf_config)
             self.tp_shard = TensorParallelShard(arch_config, tp_group.rank, tp_group.world_size)
+        if args.quantization == "fp8":
+            from infer8.quant.fp8_linear import quantize_model_weights, supports_scaled_mm
+
+            quantize_model_weights(model, use_scaled_mm=supports_scaled_mm(model_config.device))
         self.tokenizer = _load_tokenizer(model_path, gguf)
+        if args.chat_template is not None:
+            self.tokenizer.set_chat_template(args.chat_template)
+        # The name clients use: --served-model-name, else the --model string as given.
+        self.served_model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+        self.default_sampling = sampling_defaults(
+            model_path,
+            args.generation_config,
+            args.override_generation_config,
+            None if gguf is None else gguf.generation_config,
+        )
+        if args.model is None and args.generation_config == "auto":
+            self.default_sampling = {**DEFAULT_MODEL_SAMPLING, **self.default_sampling}
+        SamplingParams(**self.default_sampling)  # refuse bad defaults at start-up
+        if self.default_sampling:
+            print(
+                f"Default sampling parameters from the generation config: {self.default_sampling}"
+            )
         self.model_config, self.cache_config, self.scheduler_config = (
             model_config,
             cache_config,
@@ -123,26 +145,17 @@ class LLMEngine:
         model.set_attention_backend(self.attn_backend)
         gib = self.num_blocks * self.kv_spec.bytes_per_block / GiB
         dtype_name = str(kv_dtype).removeprefix("torch.")
+        per_request_blocks = cdiv(self.max_model_len, cache_config.block_size)
         print(
             f"KV cache: {self.num_blocks} blocks x {cache_config.block_size} tokens = "
-            f"{capacity_tokens} tokens, {gib:.2f} GiB, dtype {dtype_name}",
+            f"{capacity_tokens} tokens, {gib:.2f} GiB, dtype {dtype_name}; maximum concurrency "
+            f"for {self.max_model_len} tokens per request: "
+            f"{self.num_blocks / per_request_blocks:.2f}x",
             flush=True,
         )
         self.model: LlamaForCausalLM = model
         self.hf_config = hf_config
-        is_static = scheduler_config.scheduler == "static"
-        # The static baseline reserves whole sequences up front and never reuses prefixes.
-        self.kv_cache_manager = KVCacheManager(
-            self.num_blocks,
-            cache_config.block_size,
-            enable_caching=cache_config.enable_prefix_caching and not is_static,
-        )
-        sched_cls = StaticScheduler if is_static else Scheduler
-        self.scheduler: SchedulerBase = sched_cls(
-            self.kv_cache_manager,
-            scheduler_config.max_num_seqs,
-            scheduler_config.max_num_batched_tokens,
-        )
+        self.kv_cache_manager, self.scheduler = self._build_scheduler()
         self.runner = ModelRunner(
             model,
             kv_caches,
@@ -177,6 +190,41 @@ class LLMEngine:
         self.last_stats = SchedulerStats(num_kv_blocks_total=self.num_blocks)
 
     # -- construction helpers -------------------------------------------------------------
+    def _build_scheduler(self) -> tuple[KVCacheManager, SchedulerBase]:
+        """Return a fresh KV cache manager (every block free) and scheduler."""
+        is_static = self.scheduler_config.scheduler == "static"
+        # The static baseline reserves whole sequences up front and never reuses prefixes.
+        kv_cache_manager = KVCacheManager(
+            self.num_blocks,
+            self.cache_config.block_size,
+            enable_caching=self.cache_config.enable_prefix_caching and not is_static,
+        )
+        sched_cls = StaticScheduler if is_static else Scheduler
+        scheduler = sched_cls(
+            kv_cache_manager,
+            self.scheduler_config.max_num_seqs,
+            self.scheduler_config.max_num_batched_tokens,
+        )
+        return kv_cache_manager, scheduler
+
+    @property
+    def can_reset(self) -> bool:
+        """Return whether reset() can rebuild the engine in-process (not under TP)."""
+        return self.tp_executor is None
+
+    def reset(self) -> None:
+        """Forget every request and cached block after a failed step; keep weights and KV memory.
+
+        Refused under tensor parallelism: the other ranks' state cannot be trusted after a
+        failure there, so the process should exit and be restarted instead.
+        """
+        if self.tp_executor is not None:
+            raise RuntimeError("a tensor-parallel engine cannot be reset in-process")
+        self.kv_cache_manager, self.scheduler = self._build_scheduler()
+        self.runner.states.clear()
+        self.req_states.clear()
+        self.last_stats = SchedulerStats(num_kv_blocks_total=self.num_blocks)
+
     def _attention_backend(self, model_config: ModelConfig) -> AttentionBackend:
         """Choose the attention backend once: Triton kernels on CUDA, the torch reference on CPU."""
         if model_config.device.type == "cuda":
@@ -241,9 +289,7 @@ class LLMEngine:
         model_config: ModelConfig,
         scheduler_config: SchedulerConfig,
     ) -> int:
-        """Return the KV cache budget: explicit bytes, or a memory fraction minus the rest."""
-        if self.cache_config.kv_cache_memory_bytes is not None:
-            return self.cache_config.kv_cache_memory_bytes
+        """Return the KV cache budget (see worker/memory.py) and print where it came from."""
         arch = model.config
         # FP8 weights live in buffers (Fp8Linear), so count those too
         weight_bytes = sum(
@@ -253,19 +299,19 @@ class LLMEngine:
         tokens = scheduler_config.max_num_batched_tokens
         act_bytes = 4 * tokens * (4 * arch.hidden_size + 2 * arch.intermediate_size) * 2
         act_bytes += scheduler_config.max_num_seqs * arch.vocab_size * 4 * 2
-        total = _device_memory_bytes(model_config.device)
-        budget = int(self.cache_config.gpu_memory_utilization * total) - weight_bytes - act_bytes
-        if model_config.device.type == "cpu":
-            # RAM is shared with everything else on the host: never take more than vLLM's CPU
-            # default without an explicit --kv-cache-memory-bytes.
-            budget = min(budget, _CPU_DEFAULT_KV_BYTES)
-        if budget <= 0:
-            raise ValueError(
-                f"no memory left for the KV cache: {total / GiB:.1f} GiB x "
-                f"{self.cache_config.gpu_memory_utilization} minus weights "
-                f"{weight_bytes / GiB:.2f} GiB and activations {act_bytes / GiB:.2f} GiB"
-            )
-        return budget
+        max_len = model_config.max_model_len or arch.max_position_embeddings
+        need_blocks = scheduler_config.max_num_seqs * cdiv(max_len, self.kv_spec.block_size)
+        plan = plan_kv_memory(
+            _device_memory_bytes(model_config.device),
+            self.cache_config.gpu_memory_utilization,
+            weight_bytes,
+            act_bytes,
+            need_blocks * self.kv_spec.bytes_per_block,
+            model_config.device.type == "cpu",
+            self.cache_config.kv_cache_memory_bytes,
+        )
+        print(plan.report(model_config.device.type == "cpu"), flush=True)
+        return plan.kv_bytes
 
     def _resolve_max_model_len(
         self, model_config: ModelConfig, max_position_embeddings: int, capacity_tokens: int
@@ -371,6 +417,41 @@ class LLMEngine:
         """Drop every prefix-cached block that no running request holds; return how many."""
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def _process_output(
+        self, request: Request, new_ids: list[int], runner_out: ModelRunnerOutput
+    ) -> RequestOutput:
+        """Detokenize a request's new tokens, check stop strings and build its output."""
+        state = self.req_states[request.request_id]
+        stop = state.add_tokens(new_ids, runner_out.logprobs.get(request.request_id))
+        if stop is not None:
+            if not request.is_finished:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            request.stop_reason = stop
+        output = state.make_output(request)
+        if request.is_finished:
+            del self.req_states[request.request_id]
+        return output
+
+    def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """Finish requests that failed alone (blocks freed); return their final outputs."""
+        outputs = []
+        for req_id, message in errors.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is not None:
+                outputs.append(self._fail_request(request, message))
+        return outputs
+
+    def _fail_request(self, request: Request, message: str) -> RequestOutput:
+        """Finish one request with an error, whatever state it is in; return its final output."""
+        logger.error("request %s failed alone and was finished: %s", request.request_id, message)
+        request.error = message
+        if request.is_finished:  # it finished this step, before its output could be built
+            request.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+        self.req_states.pop(request.request_id, None)
+        return error_output(request)
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduling iteration; return outputs of requests that got tokens."""
         t0 = time.perf_counter()
@@ -379,19 +460,14 @@ class LLMEngine:
             runner_out = self.runner.execute(sched_out)
         else:
             runner_out = self.tp_executor.execute(self.runner, sched_out)
+        outputs = self._fail_requests(runner_out.failed_req_ids)
         progressed = self.scheduler.update_from_output(sched_out, runner_out)
-        outputs = []
         for request, new_ids in progressed:
-            state = self.req_states[request.request_id]
-            stop = state.add_tokens(new_ids, runner_out.logprobs.get(request.request_id))
-            if stop is not None and not request.is_finished:
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-                request.stop_reason = stop
-            elif stop is not None:
-                request.stop_reason = stop
-            outputs.append(state.make_output(request))
-            if request.is_finished:
-                del self.req_states[request.request_id]
+            try:
+                outputs.append(self._process_output(request, new_ids, runner_out))
+            except Exception as e:  # noqa: BLE001 - one request's failure must stay its own
+                logger.exception("output processing failed for %s", request.request_id)
+                outputs.append(self._fail_request(request, f"output processing failed: {e!r}"))
         stats = self.scheduler.make_stats()
         stats.step_time_s = time.perf_counter() - t0
         self.last_stats = stats

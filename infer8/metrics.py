@@ -14,7 +14,7 @@ _ITL_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
 _ITL_BUCKETS_S += [2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 _REQUEST_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0]
 _REQUEST_BUCKETS_S += [50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
-FINISHED_REASONS = ("stop", "length", "abort")
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 class EngineMetrics:
@@ -135,6 +135,18 @@ class EngineMetrics:
             name,
             registry=r,
         ).labels(model_name)
+        self.engine_restarts = Counter(
+            "infer8:engine_restarts",
+            "Times the engine loop failed and was rebuilt in-process (weights and KV memory kept).",
+            name,
+            registry=r,
+        ).labels(model_name)
+        self.request_errors = Counter(
+            "infer8:request_errors",
+            "Requests failed by the engine (alone, or in flight when the engine failed).",
+            name,
+            registry=r,
+        ).labels(model_name)
         self._num_saturated_seen = 0
 
     def on_step(self, stats: SchedulerStats) -> None:
@@ -180,6 +192,10 @@ class EngineMetrics:
         """Record a finished request (stop, length or abort)."""
         self.request_success[finish_reason].inc()
         self.e2e_request_latency.observe(e2e_latency_s)
+
+    def on_engine_restart(self) -> None:
+        """Count an in-process engine restart."""
+        self.engine_restarts.inc()
 
     def on_rejected(self) -> None:
         """Count a request refused for overload."""

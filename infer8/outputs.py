@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infer8.request import Request
+from infer8.sampling_params import RequestOutputKind
 from infer8.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # (token_id -> logprob) for the sampled token and the top-k alternatives at one position
@@ -13,7 +14,11 @@ Logprobs = dict[int, float]
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence: cumulative text and tokens, plus what this step added."""
+    """One generated sequence: text and tokens so far, plus what this step added.
+
+    With `RequestOutputKind.DELTA`, `text`, `token_ids` and `logprobs` hold only this step's
+    part (the same as the delta fields), so a long answer costs O(1) per step, not O(length).
+    """
 
     index: int
     text: str
@@ -40,6 +45,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    error: str | None = None  # set when finish_reason is "error": this request failed alone
 
 
 class RequestState:
@@ -52,6 +58,7 @@ class RequestState:
             tokenizer, request.prompt_token_ids, params.skip_special_tokens
         )
         self.stop = params.stop
+        self.is_delta = params.output_kind == RequestOutputKind.DELTA
         self.include_stop = params.include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""
@@ -87,9 +94,9 @@ class RequestState:
         return stop
 
     def make_output(self, request: Request) -> RequestOutput:
-        """Return the cumulative output and the delta since the last call."""
+        """Return the output (cumulative or delta, as the request asked) since the last call."""
         finished = request.is_finished
-        if finished and not self.stopped_by_string:
+        if finished and not self.stopped_by_string and request.error is None:
             self.text += self.detok.flush()
         # While running, hold back a tail that could still become a stop string.
         visible = (
@@ -98,23 +105,42 @@ class RequestState:
             else max(self.sent_text_len, len(self.text) - max(0, self.max_stop_len - 1))
         )
         tokens = request.output_token_ids
+        delta_text = self.text[self.sent_text_len : visible]
+        delta_token_ids = tokens[self.sent_token_len :]
+        logprobs = self.logprobs
+        if self.is_delta and logprobs is not None:
+            logprobs = logprobs[len(logprobs) - len(delta_token_ids) :]
+            self.logprobs = []
         completion = CompletionOutput(
             index=0,
-            text=self.text,
-            token_ids=list(tokens),
+            text=delta_text if self.is_delta else self.text,
+            token_ids=list(delta_token_ids) if self.is_delta else list(tokens),
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
+            logprobs=logprobs,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason,
-            delta_text=self.text[self.sent_text_len : visible],
-            delta_token_ids=list(tokens[self.sent_token_len :]),
+            delta_text=delta_text,
+            delta_token_ids=delta_token_ids,
         )
         self.sent_text_len = visible
         self.sent_token_len = len(tokens)
+        if self.is_delta:  # keep only what a stop string could still need
+            drop = max(0, self.sent_text_len - self.max_stop_len)
+            self.text = self.text[drop:]
+            self.sent_text_len -= drop
         return RequestOutput(
             request_id=request.request_id,
             prompt=self.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=finished,
+            error=request.error,
         )
+
+
+def error_output(request: Request) -> RequestOutput:
+    """Return the final output of a request that failed alone: no new text, its error."""
+    completion = CompletionOutput(0, "", [], None, None, finish_reason="error")
+    return RequestOutput(
+        request.request_id, None, request.prompt_token_ids, [completion], True, error=request.error
+    )

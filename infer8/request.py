@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # this request alone failed inside a step; the others went on
 
     @property
     def is_finished(self) -> bool:
@@ -34,12 +35,14 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
 
 
 _STATUS_TO_REASON = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -64,6 +67,7 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why it failed, for FINISHED_ERROR
         self.arrival_time_s = time.monotonic() if arrival_time_s is None else arrival_time_s
         self.first_scheduled_time_s: float | None = None
         # The cap on prompt + output tokens, resolved by the engine against max_model_len.

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput carries (vLLM's names): everything so far, or only what is new."""
+
+    CUMULATIVE = 0
+    DELTA = 1
 
 
 @dataclass
@@ -28,6 +37,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,6 +46,14 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty")  # fmt: skip
+        for name in floats:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         checks: list[tuple[bool, str]] = [
             (self.n == 1, f"n must be 1 in the engine (fan-out happens above it), got {self.n}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),

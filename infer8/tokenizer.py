@@ -62,8 +62,18 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Return token ids for text."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Return token ids for text (the batch call releases the GIL: other threads run on).
+
+        Raises ValueError for text that is not valid Unicode (a lone surrogate such as the
+        JSON escape "\\ud800"), which no tokenizer can encode.
+        """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"the text is not valid Unicode (a lone surrogate at character {e.start})"
+            ) from None
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Return the text of token ids."""
@@ -72,6 +82,16 @@ class Tokenizer:
     def token_to_str(self, token_id: int) -> str:
         """Return one token's decoded text."""
         return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def set_chat_template(self, template_or_path: str) -> None:
+        """Replace the model's chat template (a Jinja string, or a file holding one)."""
+        if "{" not in template_or_path:
+            path = Path(template_or_path)
+            if not path.is_file():
+                raise ValueError(f"chat template {template_or_path!r}: no such file")
+            template_or_path = path.read_text()
+        self.chat_template = template_or_path
+        self._template = None
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any

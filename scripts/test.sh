@@ -2,5 +2,5 @@
 # Set up and run the whole test suite (what CI runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh test
 exec "${PYTHON:-python3}" -m pytest -q "$@"

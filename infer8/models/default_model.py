@@ -43,6 +43,9 @@ HF_MODEL_FILES = (
     "generation_config.json",
 )
 _COPY_CHUNK_BYTES = 1 << 20
+# The GGUF carries no sampling defaults; these are the ones its model card recommends, applied
+# with --generation-config auto (a request's own values, or --override-generation-config, win).
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def cache_dir() -> Path:

@@ -133,6 +133,14 @@ def load_gguf(
     )
 
 
+def gguf_hf_config(path: str | Path) -> dict[str, Any]:
+    """Return a GGUF file's config.json dict from its header, without reading the weights."""
+    path = Path(path)
+    reader = _open_reader(path)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    return _build_hf_config(_read_metadata(reader, path), tensors, path, torch.float32)
+
+
 def tokenizer_from_gguf(model: GGUFModel) -> Tokenizer:
     """Build infer8's Tokenizer from an already loaded GGUF checkpoint (no second file read)."""
     from infer8.tokenizer import Tokenizer

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from infer8.quant import fp8
@@ -69,6 +71,19 @@ class LayerKVCache:
         return self.k.shape[2]
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Return a zeroed tensor; on CPU its pages are mapped lazily (RSS grows as blocks fill).
+
+    numpy's zeros comes from calloc, which for large sizes maps fresh zero pages that cost no
+    memory until written, whereas torch.zeros writes (and so commits) every byte up front.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(math.prod(shape) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, device: torch.device
 ) -> list[LayerKVCache]:
@@ -79,14 +94,11 @@ def allocate_kv_cache(
         scale_shape = shape[:-1]
         layers.append(
             LayerKVCache(
-                k=torch.zeros(shape, dtype=spec.dtype, device=device),
-                v=torch.zeros(shape, dtype=spec.dtype, device=device),
-                k_scale=torch.ones(scale_shape, dtype=fp8.SCALE_DTYPE, device=device)
-                if spec.is_fp8
-                else None,
-                v_scale=torch.ones(scale_shape, dtype=fp8.SCALE_DTYPE, device=device)
-                if spec.is_fp8
-                else None,
+                k=_zeros(shape, spec.dtype, device),
+                v=_zeros(shape, spec.dtype, device),
+                # scales of unwritten slots are 0: they scale zeros (never divided by)
+                k_scale=_zeros(scale_shape, fp8.SCALE_DTYPE, device) if spec.is_fp8 else None,
+                v_scale=_zeros(scale_shape, fp8.SCALE_DTYPE, device) if spec.is_fp8 else None,
                 num_saturated=torch.zeros((), dtype=torch.int64, device=device),
             )
         )

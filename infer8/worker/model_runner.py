@@ -93,12 +93,17 @@ class ModelRunner:
         if not self.is_driver:
             return ModelRunnerOutput()
         states = [self.states[sched.scheduled[i].req_id] for i in sample_rows]
-        tokens, logprobs = self.sampler(logits, states, self.eos_token_ids)
+        sampled = self.sampler(logits, states, self.eos_token_ids)
         out = ModelRunnerOutput()
-        for i, state, token, lp in zip(sample_rows, states, tokens, logprobs):
+        for j, (i, state) in enumerate(zip(sample_rows, states)):
             req_id = sched.scheduled[i].req_id
+            if j in sampled.errors:
+                out.failed_req_ids[req_id] = sampled.errors[j]
+                continue
+            token = sampled.token_ids[j]
             state.output_token_ids.append(token)
             out.sampled_token_ids[req_id] = token
+            lp = sampled.logprobs[j]
             if lp is not None:
                 out.logprobs[req_id] = lp
         return out

@@ -1,12 +1,31 @@
-"""Turn logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs."""
+"""Turn logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+Sampling runs in float32 over the whole batch, and every intermediate is kept finite: a request
+with extreme but legal parameters (a repetition penalty of 1e-38, a temperature of 1e-4) gets a
+token, never a NaN that kills the batch. A row that still fails is reported in `errors` and the
+other rows are sampled as usual (per-request fault isolation).
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from infer8.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Logits are clamped to +-_LOGIT_LIMIT after each step that could overflow; real logits are
+# orders of magnitude smaller, and dividing the limit by the smallest sampled temperature
+# (1e-5) still fits float32.
+_LOGIT_LIMIT = 1e20
+_GREEDY_TEMPERATURE = 1e-5
+
+# (logprob of the sampled token, [(token_id, logprob)] of the top-k) for one row
+RowLogprobs = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass
@@ -18,44 +37,80 @@ class SamplingState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
 
+    @property
+    def needs_penalties(self) -> bool:
+        """Return whether this step's logits need a per-row penalty or a min_tokens mask."""
+        p = self.params
+        return (
+            p.repetition_penalty != 1.0
+            or bool(p.presence_penalty)
+            or bool(p.frequency_penalty)
+            or len(self.output_token_ids) < p.min_tokens
+        )
 
-def _apply_penalties(logits: torch.Tensor, state: SamplingState, stop_ids: list[int]) -> None:
+
+class SamplerOutput(NamedTuple):
+    """Sampled ids per row (-1 for a failed row), logprobs where asked, and row failures."""
+
+    token_ids: list[int]
+    logprobs: list[RowLogprobs | None]
+    errors: dict[int, str]
+
+
+def _finite_(x: torch.Tensor) -> torch.Tensor:
+    """Clamp in place into [-_LOGIT_LIMIT, _LOGIT_LIMIT]; NaN goes to the bottom."""
+    torch.nan_to_num_(x, nan=-_LOGIT_LIMIT, posinf=_LOGIT_LIMIT, neginf=-_LOGIT_LIMIT)
+    return x.clamp_(-_LOGIT_LIMIT, _LOGIT_LIMIT)
+
+
+def _apply_penalties(row: torch.Tensor, state: SamplingState, stop_ids: list[int]) -> None:
     """Apply repetition/presence/frequency penalties and min_tokens in place to one row."""
     p = state.params
-    device = logits.device
+    device = row.device
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(
-            sorted(set(state.prompt_token_ids + state.output_token_ids)),
+            sorted(set(state.prompt_token_ids) | set(state.output_token_ids)),
             dtype=torch.int64,
             device=device,
         )
-        vals = logits[seen]
-        logits[seen] = torch.where(
-            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-        )
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and state.output_token_ids:
         out = torch.tensor(state.output_token_ids, dtype=torch.int64, device=device)
-        counts = torch.bincount(out, minlength=logits.shape[0]).to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    _finite_(row)
     if len(state.output_token_ids) < p.min_tokens and stop_ids:
-        logits[torch.tensor(stop_ids, dtype=torch.int64, device=device)] = -float("inf")
+        ids = [t for t in stop_ids if t < row.shape[0]]
+        if len(ids) < row.shape[0]:  # never mask every token
+            row[torch.tensor(ids, dtype=torch.int64, device=device)] = -float("inf")
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Return probabilities after temperature, top-k, top-p and min-p for one row."""
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[0]:
-        kth = torch.topk(logits, p.top_k).values[-1]
+def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Return probabilities after temperature, top-k, top-p and min-p, for all rows at once."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    logits = _finite_(logits / temps.clamp(min=_GREEDY_TEMPERATURE).unsqueeze(1))
+    vocab = logits.shape[1]
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if min(top_ks) < vocab:
+        k = torch.tensor(top_ks, dtype=torch.int64, device=device)
+        sorted_desc = logits.sort(dim=1, descending=True).values
+        kth = sorted_desc.gather(1, (k - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, -float("inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    probs = torch.softmax(logits, dim=1)
+    top_ps = [p.top_p for p in params]
+    if min(top_ps) < 1.0:
+        top_p = torch.tensor(top_ps, dtype=torch.float32, device=device).unsqueeze(1)
+        sorted_probs, order = probs.sort(dim=1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = sorted_probs.cumsum(1) - sorted_probs >= top_p
+        drop[:, 0] = False
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+    min_ps = [p.min_p for p in params]
+    if max(min_ps) > 0.0:
+        min_p = torch.tensor(min_ps, dtype=torch.float32, device=device).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=1, keepdim=True), 0.0)
     return probs
 
 
@@ -67,34 +122,37 @@ class Sampler:
 
     def __call__(
         self, logits: torch.Tensor, states: list[SamplingState], eos_token_ids: list[int]
-    ) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]] | None]]:
-        """Return sampled token ids and, where asked, (sampled logprob, top-k logprobs)."""
+    ) -> SamplerOutput:
+        """Sample a token per row of `logits` ([num_rows, vocab]); failed rows land in errors."""
+        logits = _finite_(logits.to(torch.float32, copy=True))  # [num_rows, vocab], our own copy
+        errors: dict[int, str] = {}
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in states):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = logits
+        processed = logits  # penalised in place: the raw logprobs above are a separate tensor
         for i, s in enumerate(states):
-            p = s.params
-            if (
-                p.repetition_penalty != 1.0
-                or p.presence_penalty
-                or p.frequency_penalty
-                or (len(s.output_token_ids) < p.min_tokens)
-            ):
-                if processed is logits:
-                    processed = logits.clone()
-                stop_ids = ([] if p.ignore_eos else eos_token_ids) + p.stop_token_ids
-                _apply_penalties(processed[i], s, stop_ids)
-        tokens = processed.argmax(dim=-1).tolist()
-        for i, s in enumerate(states):
-            if s.params.is_greedy:
+            if not s.needs_penalties:
                 continue
-            probs = _filter(processed[i], s.params)
-            gen = s.generator if s.generator is not None else self.generator
-            tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
-        logprobs: list[tuple[float, list[tuple[int, float]]] | None] = []
+            p = s.params
+            stop_ids = ([] if p.ignore_eos else eos_token_ids) + p.stop_token_ids
+            try:
+                _apply_penalties(processed[i], s, stop_ids)
+            except Exception as e:  # noqa: BLE001 - one request's failure must stay its own
+                errors[i] = _row_error(i, e)
+        tokens = processed.argmax(dim=-1).tolist()
+        sampled = [i for i, s in enumerate(states) if not s.params.is_greedy and i not in errors]
+        if sampled:
+            try:
+                self._sample_rows(processed, states, sampled, tokens)
+            except Exception:  # noqa: BLE001 - isolate the row that fails, keep the others
+                for i in sampled:
+                    try:
+                        self._sample_rows(processed, states, [i], tokens)
+                    except Exception as e:  # noqa: BLE001
+                        errors[i] = _row_error(i, e)
+        logprobs: list[RowLogprobs | None] = []
         for i, s in enumerate(states):
-            if s.params.logprobs is None or raw_logprobs is None:
+            if s.params.logprobs is None or raw_logprobs is None or i in errors:
                 logprobs.append(None)
                 continue
             row = raw_logprobs[i]
@@ -103,4 +161,36 @@ class Sampler:
                 vals, ids = torch.topk(row, s.params.logprobs)
                 top = list(zip(ids.tolist(), vals.tolist()))
             logprobs.append((float(row[tokens[i]]), top))
-        return tokens, logprobs
+        for i in errors:
+            tokens[i] = -1
+        return SamplerOutput(tokens, logprobs, errors)
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        rows: list[int],
+        tokens: list[int],
+    ) -> None:
+        """Sample `rows` in place into tokens: argmax of probs / Exp(1) (exact categorical)."""
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        probs = _probs(logits.index_select(0, index), [states[i].params for i in rows])
+        noise = torch.empty_like(probs)
+        shared = [j for j, i in enumerate(rows) if states[i].generator is None]
+        if shared:
+            noise[shared] = torch.empty(
+                len(shared), probs.shape[1], device=probs.device
+            ).exponential_(generator=self.generator)
+        for j, i in enumerate(rows):
+            if states[i].generator is not None:
+                noise[j].exponential_(generator=states[i].generator)
+        choice = (probs / noise.clamp_(min=1e-20)).argmax(dim=1).tolist()
+        for j, i in enumerate(rows):
+            if probs[j, choice[j]] <= 0:  # the noise made every row entry 0: take the mode
+                choice[j] = int(probs[j].argmax())
+            tokens[i] = choice[j]
+
+
+def _row_error(row: int, error: Exception) -> str:
+    logger.exception("sampling failed for batch row %d", row, exc_info=error)
+    return f"sampling failed: {type(error).__name__}"

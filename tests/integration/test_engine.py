@@ -210,4 +210,7 @@ def test_kv_cache_startup_line(llama_dir: Path, capsys: pytest.CaptureFixture[st
     LLM(str(llama_dir), dtype="float32", kv_cache_memory_bytes=1 << 20, block_size=16)
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("KV cache:")][0]
     # 2 layers x (K,V) x 2 heads x 16 dims x 4 bytes = 512 B/token -> 2048 tokens, 128 blocks
-    assert line == "KV cache: 128 blocks x 16 tokens = 2048 tokens, 0.00 GiB, dtype float32"
+    assert line == (
+        "KV cache: 128 blocks x 16 tokens = 2048 tokens, 0.00 GiB, dtype float32; maximum "
+        "concurrency for 512 tokens per request: 4.00x"
+    )

@@ -191,7 +191,9 @@ def server(llama_dir: Path) -> Iterator[RunningServer]:
             model=str(llama_dir), dtype="float32", kv_cache_memory_bytes=4 << 20, max_model_len=512
         )
     )
-    running = start_server(engine, ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY))
+    running = start_server(
+        engine, ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY, enable_server_dev_mode=True)
+    )
     yield running
     stop_server(running)
 

@@ -499,22 +499,42 @@ def test_slow_step_does_not_block_the_http_loop(long_llama_dir: Path) -> None:
         stop_server(running)
 
 
-def test_engine_failure_is_503_not_a_hang(long_llama_dir: Path) -> None:
+def test_engine_failure_is_503_then_restart_then_exit(long_llama_dir: Path) -> None:
     engine = _engine(long_llama_dir)
+    step = engine.step
+    num_failures = [2]  # the next two steps fail, then the device "comes back"
 
-    def broken_step() -> list[Any]:
-        raise RuntimeError("device lost")
+    def flaky_step() -> list[Any]:
+        if num_failures[0] > 0:
+            num_failures[0] -= 1
+            raise RuntimeError("device lost")
+        return step()
 
-    engine.step = broken_step  # type: ignore[method-assign]
-    running = start_server(engine, ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY))
+    engine.step = flaky_step  # type: ignore[method-assign]
+    fatal: list[str] = []
+    config = ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY, max_engine_restarts=2)
+    running = start_server(engine, config)
+    running.server.config.app.state.engine_client.on_fatal = fatal.append
+    url = f"{running.url}{CMPL}"
+    body = {"prompt": "hi", "max_tokens": 3}
     try:
-        for _ in range(2):  # the request in flight, then a new one
-            response = httpx.post(
-                f"{running.url}{CMPL}", json={"prompt": "hi"}, headers=AUTH, timeout=10
-            )
+        for _ in range(2):  # each failed step fails its request alone, and the engine restarts
+            response = httpx.post(url, json=body, headers=AUTH, timeout=10)
             assert response.status_code == 503
-            assert response.json()["error"]["type"] == "server_error"
-        assert httpx.get(f"{running.url}/health").status_code == 503
+            error = response.json()["error"]
+            assert error["type"] == "server_error" and "restart" in error["message"]
+            assert httpx.get(f"{running.url}/health").status_code == 200
+        response = httpx.post(url, json=body, headers=AUTH, timeout=10)
+        assert response.status_code == 200  # serving again, state rebuilt in-process
+        assert response.json()["usage"]["completion_tokens"] == 3
+        assert running.metric("infer8:engine_restarts_total") == 2.0
+        assert fatal == []
+        num_failures[0] = 1  # a third failure within the window: give up, exit non-zero
+        assert httpx.post(url, json=body, headers=AUTH, timeout=10).status_code == 503
+        health = httpx.get(f"{running.url}/health")
+        assert health.status_code == 503 and "failed 3 times" in health.json()["reason"]
+        assert len(fatal) == 1
+        assert httpx.post(url, json=body, headers=AUTH, timeout=10).status_code == 503
     finally:
         stop_server(running)
 

@@ -47,7 +47,7 @@ def _state(**kwargs: object) -> SamplingState:
 
 def test_greedy_takes_argmax_and_top_k_one_is_greedy() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 0.0]])
-    tokens, _ = Sampler(torch.device("cpu"), 0)(
+    tokens, _, _ = Sampler(torch.device("cpu"), 0)(
         logits, [_state(temperature=0.0), _state(temperature=1.0, top_k=1)], [99]
     )
     assert tokens == [1, 0]
@@ -109,10 +109,81 @@ def test_min_tokens_masks_eos_and_stop_token_ids() -> None:
 
 def test_logprobs_are_raw_log_softmax_with_top_k() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
-    tokens, lps = Sampler(torch.device("cpu"), 0)(logits, [_state(temperature=0.0, logprobs=2)], [])
+    tokens, lps, _ = Sampler(torch.device("cpu"), 0)(
+        logits, [_state(temperature=0.0, logprobs=2)], []
+    )
     ref = torch.log_softmax(logits[0], dim=-1)
     sampled_lp, top = lps[0]  # type: ignore[misc]
     assert tokens == [1]
     assert math.isclose(sampled_lp, ref[1].item(), rel_tol=1e-6)
     assert [t for t, _ in top] == [1, 2]
     assert math.isclose(top[1][1], ref[2].item(), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 1.0, "repetition_penalty": 1e-38},  # the engine killer of issue #18
+        {"temperature": 1.0, "repetition_penalty": 1e38},
+        {"temperature": 1e-4, "repetition_penalty": 1e-30, "top_p": 1e-9},
+        {"temperature": 1e30, "top_k": 2, "min_p": 1.0},
+        {"temperature": 2.0, "presence_penalty": 2.0, "frequency_penalty": -2.0, "min_p": 1e-30},
+    ],
+)
+def test_extreme_parameters_sample_a_valid_token(kwargs: dict) -> None:
+    logits = torch.tensor([[30.0, -40.0, 5.0, float("nan"), float("inf")] + [0.0] * 59] * 2)
+    st_ = _state(**kwargs)
+    st_.output_token_ids = [0, 2, 0]
+    out = Sampler(torch.device("cpu"), 0)(logits, [st_, _state(temperature=0.0)], [99])
+    assert out.errors == {}
+    assert all(0 <= t < logits.shape[1] for t in out.token_ids)
+    assert out.token_ids[1] == 4  # +inf logit is the largest finite value for the greedy row
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_parameters_are_refused(value: float) -> None:
+    for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "min_p"):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: value})
+
+
+def test_a_failing_row_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import infer8.worker.sampler as sampler_mod
+
+    real = sampler_mod._apply_penalties
+
+    def fail_on_penalty_two(row: torch.Tensor, state: SamplingState, stop_ids: list[int]) -> None:
+        if state.params.repetition_penalty == 2.0:
+            raise RuntimeError("boom")
+        real(row, state, stop_ids)
+
+    monkeypatch.setattr(sampler_mod, "_apply_penalties", fail_on_penalty_two)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3)
+    states = [
+        _state(temperature=0.0),
+        _state(temperature=1.0, repetition_penalty=2.0),
+        _state(temperature=1.0, seed=3, repetition_penalty=1.5),
+    ]
+    out = Sampler(torch.device("cpu"), 0)(logits, states, [])
+    assert set(out.errors) == {1}
+    assert out.token_ids[0] == 1 and out.token_ids[1] == -1 and 0 <= out.token_ids[2] < 4
+
+
+def test_batched_sampling_matches_each_rows_distribution() -> None:
+    # One batch mixing top-k, top-p, min-p and plain rows: each row keeps its own support.
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    sampler = Sampler(torch.device("cpu"), 0)
+    rows = [dict(top_k=2), dict(top_p=0.5), dict(min_p=0.4), dict()]
+    allowed = [{0, 1}, {0}, {0, 1}, {0, 1, 2, 3}]
+    seen: list[set[int]] = [set() for _ in rows]
+    counts = [0] * 4
+    for seed in range(400):
+        states = [_state(temperature=1.0, **r) for r in rows]
+        states[3] = _state(temperature=1.0, seed=seed)
+        tokens = sampler(logits, states, []).token_ids
+        for i, t in enumerate(tokens):
+            seen[i].add(t)
+        counts[tokens[3]] += 1
+    assert seen == allowed
+    # the plain seeded row follows the distribution (0.5, 0.3, 0.15, 0.05)
+    assert 150 < counts[0] < 250 and 80 < counts[1] < 160 and counts[3] < 45

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -12,8 +13,14 @@ import uvicorn
 from infer8.config import EngineArgs
 from infer8.distributed.launch import launched_env, run_launched_worker
 from infer8.engine import LLMEngine
-from infer8.entrypoints.openai.cli_args import ServerConfig, make_serve_parser, serve_args_from
+from infer8.entrypoints.openai.cli_args import (
+    ServerConfig,
+    make_serve_parser,
+    print_compat_warnings,
+    serve_args_from,
+)
 from infer8.entrypoints.openai.server import create_app
+from infer8.entrypoints.preflight import check_port, preflight
 
 logger = logging.getLogger(__name__)
 
@@ -22,29 +29,67 @@ def _note_signal(signum: int, frame: FrameType | None) -> None:
     logger.info("received signal %d after shutdown", signum)
 
 
+class _DrainingServer(uvicorn.Server):
+    """A uvicorn server that, on SIGTERM / SIGINT, first makes the engine refuse new work."""
+
+    def __init__(self, config: uvicorn.Config, on_exit_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit_signal = on_exit_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.on_exit_signal()
+        super().handle_exit(sig, frame)
+
+
 def run_server(engine_args: EngineArgs, server_config: ServerConfig) -> int:
-    """Load the engine, serve until SIGTERM / SIGINT, drain in-flight requests; return 0.
+    """Load the engine, serve until SIGTERM / SIGINT, drain in-flight requests.
+
+    Returns 0 after a drained shutdown, 1 when the engine died for good (a wedged step, or
+    too many failures in a row) so that the orchestrator restarts the process.
 
     Launched as rank > 0 of a tensor-parallel group (torchrun), run that rank's worker instead.
     """
     env = launched_env(engine_args.tensor_parallel_size)
     if env is not None and env.rank > 0:
         return run_launched_worker(engine_args, env)
+    # Everything checkable without the model, first; the socket is bound now so that a port in
+    # use is reported in a second and nobody can take it while the model loads.
+    preflight(engine_args)
+    sock = check_port(server_config.host, server_config.port)
     engine = LLMEngine(engine_args)
     app = create_app(engine, server_config)
+    engine_client = app.state.engine_client
     config = uvicorn.Config(
         app,
         host=server_config.host,
         port=server_config.port,
         log_level=server_config.uvicorn_log_level,
         timeout_graceful_shutdown=server_config.shutdown_grace_period_s,  # type: ignore[arg-type]
+        access_log=not server_config.disable_uvicorn_access_log,
+        root_path=server_config.root_path or "",
+        ssl_keyfile=server_config.ssl_keyfile,
+        ssl_certfile=server_config.ssl_certfile,
     )
-    server = uvicorn.Server(config)
+    grace_s = server_config.shutdown_grace_period_s
+    # New requests get 503 at once; those still running a second before the grace period ends
+    # are aborted, so every stream gets its final event before uvicorn closes the connections.
+    server = _DrainingServer(config, lambda: engine_client.start_drain(max(0.0, grace_s - 1.0)))
+    fatal_reasons: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        fatal_reasons.append(reason)
+        engine_client.start_drain(0.0)
+        server.should_exit = True
+
+    engine_client.on_fatal = on_fatal
     # uvicorn re-raises the signal that stopped it with the handler found at start; make that
     # a no-op so a drained shutdown exits 0 instead of dying by the signal.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _note_signal)
-    server.run()
+    server.run(sockets=[sock])
+    if fatal_reasons:
+        print(f"infer8: error: {fatal_reasons[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -53,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_serve_parser(prog="python -m infer8.entrypoints.openai.api_server")
     ns = parser.parse_args(argv)
     engine_args, server_config = serve_args_from(ns)
+    print_compat_warnings(ns)
     try:
         return run_server(engine_args, server_config)
     except (ValueError, RuntimeError) as e:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 import types
 import typing
 from dataclasses import dataclass
 from typing import Any
 
+from infer8 import __version__
 from infer8.config import EngineArgs
 from infer8.entrypoints.cli import add_engine_args, engine_args_from
+from infer8.entrypoints.openai.vllm_compat import (
+    add_vllm_compat_args,
+    apply_vllm_compat,
+    parse_json_list,
+)
 
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -27,6 +35,21 @@ class ServerConfig:
     max_request_body_bytes: int = 16 << 20
     shutdown_grace_period_s: float = 25.0
     uvicorn_log_level: str = "info"
+    # A step running longer than this marks the engine wedged; None: derived from the batch.
+    engine_step_timeout_s: float | None = None
+    max_engine_restarts: int = 3
+    # Admin endpoints such as /reset_prefix_cache (vLLM's VLLM_SERVER_DEV_MODE=1 also works).
+    enable_server_dev_mode: bool = False
+    disable_fastapi_docs: bool = False
+    disable_uvicorn_access_log: bool = False
+    root_path: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    # CORS, as vLLM's flags: JSON lists (a bare word is one item); no origins: no CORS headers.
+    allowed_origins: str | None = None
+    allowed_methods: str = '["*"]'
+    allowed_headers: str = '["*"]'
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -43,6 +66,10 @@ class ServerConfig:
             raise ValueError(
                 f"shutdown_grace_period_s must be >= 0, got {self.shutdown_grace_period_s}"
             )
+        if self.engine_step_timeout_s is not None and self.engine_step_timeout_s <= 0:
+            raise ValueError(f"engine_step_timeout_s must be > 0, got {self.engine_step_timeout_s}")
+        if self.max_engine_restarts < 0:
+            raise ValueError(f"max_engine_restarts must be >= 0, got {self.max_engine_restarts}")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(
                 f"uvicorn_log_level must be one of {UVICORN_LOG_LEVELS}, "
@@ -59,6 +86,22 @@ _SERVER_HELP: dict[str, str] = {
     "max_request_body_bytes": "larger request bodies are refused with 413",
     "shutdown_grace_period_s": "on SIGTERM, how long in-flight requests may run before abort",
     "uvicorn_log_level": "log level of the HTTP server",
+    "engine_step_timeout_s": "an engine step running longer than this makes /health 503, fails "
+    "the requests in flight and exits non-zero (default: derived from the model and "
+    "--max-num-batched-tokens, at least 120 s)",
+    "max_engine_restarts": "in-process engine restarts allowed within 5 minutes after a failed "
+    "step; one more and the process exits non-zero",
+    "enable_server_dev_mode": "serve admin endpoints (/reset_prefix_cache); also enabled by "
+    "VLLM_SERVER_DEV_MODE=1; always behind --api-key when one is set",
+    "disable_fastapi_docs": "do not serve /docs and /openapi.json",
+    "disable_uvicorn_access_log": "do not log each HTTP request",
+    "root_path": "path prefix when served behind a proxy (ASGI root_path)",
+    "ssl_keyfile": "serve HTTPS with this private key",
+    "ssl_certfile": "serve HTTPS with this certificate",
+    "allowed_origins": "CORS: JSON list of allowed origins, e.g. '[\"*\"]'",
+    "allowed_methods": "CORS: JSON list of allowed methods",
+    "allowed_headers": "CORS: JSON list of allowed headers",
+    "allow_credentials": "CORS: allow credentials",
 }
 
 
@@ -75,6 +118,14 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     defaults = ServerConfig()
     for f in dataclasses.fields(ServerConfig):
         default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"),
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=_SERVER_HELP[f.name],
+            )
+            continue
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             type=_field_type(ServerConfig, f.name),
@@ -85,9 +136,11 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Add the engine flags, the server flags and the optional positional MODEL."""
+    """Add the engine flags, the server flags, vLLM's other flags and the positional MODEL."""
     add_engine_args(parser, positional_model=True)
     _add_server_args(parser)
+    add_vllm_compat_args(parser)
+    parser.add_argument("--version", action="version", version=f"infer8 {__version__}")
 
 
 def serve_args_from(ns: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
@@ -101,6 +154,17 @@ def serve_args_from(ns: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
         engine_args.model or ""
     )
     values: dict[str, Any] = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerConfig)}
+    aliases, _ = apply_vllm_compat(ns)
+    values.update(aliases)
+    for name in ("max_waiting_requests",):
+        if values[name] is not None:
+            values[name] = int(values[name])
+    values["shutdown_grace_period_s"] = float(values["shutdown_grace_period_s"])
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        if values[name] is not None:
+            parse_json_list(values[name], "--" + name.replace("_", "-"))
+    if os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0", "false", "False"):
+        values["enable_server_dev_mode"] = True
     return engine_args, ServerConfig(**values)
 
 
@@ -131,7 +195,14 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from infer8.entrypoints.openai.api_server import run_server
 
     engine_args, server_config = serve_args_from(ns)
+    print_compat_warnings(ns)
     return run_server(engine_args, server_config)
+
+
+def print_compat_warnings(ns: argparse.Namespace) -> None:
+    """Print one line for each vLLM flag that was accepted but has no effect here."""
+    for line in apply_vllm_compat(ns)[1]:
+        print(f"infer8: {line}", file=sys.stderr, flush=True)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:

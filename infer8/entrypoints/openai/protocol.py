@@ -36,6 +36,13 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class HealthResponse(BaseModel):
+    """The body of /health and /ready: "ok", or why not."""
+
+    status: str
+    reason: str | None = None
+
+
 class APIError(Exception):
     """A request the server refuses, carried to the HTTP status and OpenAI's error JSON."""
 
@@ -104,21 +111,30 @@ class _SamplingRequest(OpenAIBaseModel):
         return self
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, seed_offset: int = 0
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        seed_offset: int = 0,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """Return the engine's SamplingParams for one choice; raise ValueError on bad values."""
+        """Return the engine's SamplingParams for one choice; raise ValueError on bad values.
+
+        `defaults` (the model's generation config) fills the sampling fields the client left out.
+        """
         seed = self.seed
         if seed is not None and seed_offset:
             seed = (seed + seed_offset - _INT64_MIN) % 2**64 + _INT64_MIN
+        given = {k: getattr(self, k) for k in _DEFAULTABLE if getattr(self, k) is not None}
+        values = {**_API_DEFAULTS, **(defaults or {}), **given}
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0,
+            temperature=values["temperature"],
+            top_p=values["top_p"],
+            top_k=values["top_k"],
+            min_p=values["min_p"],
             seed=seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=values["repetition_penalty"],
             max_tokens=max_tokens,
             min_tokens=self.min_tokens or 0,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -128,6 +144,17 @@ class _SamplingRequest(OpenAIBaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens is not False,
         )
+
+
+# Sampling fields a model's generation config may default, with the API's own defaults.
+_API_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+_DEFAULTABLE = tuple(_API_DEFAULTS)
 
 
 class CompletionRequest(_SamplingRequest):

@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -19,7 +20,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer8 import __version__
 from infer8.engine import LLMEngine
-from infer8.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, RequestGroup
+from infer8.entrypoints.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    RequestGroup,
+    SupervisionConfig,
+)
 from infer8.entrypoints.openai.cli_args import ServerConfig
 from infer8.entrypoints.openai.protocol import (
     APIError,
@@ -29,6 +35,7 @@ from infer8.entrypoints.openai.protocol import (
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
@@ -36,22 +43,65 @@ from infer8.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from infer8.entrypoints.openai.serving import OpenAIServing
+from infer8.entrypoints.openai.vllm_compat import parse_json_list
 from infer8.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # Paths open without the API key (probes and scrapers), as in vLLM.
-_PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})
+_PUBLIC_PATHS = frozenset({"/health", "/ready", "/version", "/metrics", "/openapi.json", "/docs"})
+# Paths that start generation: refused at once (before parsing) when overloaded or draining.
+_GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_MIN_STEP_TIMEOUT_S = 120.0
+# A conservative sustained rate for the watchdog's estimate of the longest legitimate step.
+_WATCHDOG_FLOPS_PER_S = {"cpu": 10e9, "cuda": 10e12}
+
+
+_HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    503: {"model": HealthResponse, "description": "The engine is dead, wedged or draining."}
+}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """Return OpenAPI entries for the error statuses a route really answers."""
+    descriptions = {
+        400: "Invalid request (bad JSON, parameters out of range, prompt too long).",
+        401: "Missing or wrong API key (only with --api-key).",
+        404: "Unknown model.",
+        413: "Request body too large.",
+        500: "The engine failed this request alone; other requests were not affected.",
+        503: "Overloaded (--max-waiting-requests), shutting down, or the engine is unavailable.",
+    }
+    return {c: {"model": ErrorResponse, "description": descriptions[c]} for c in codes}
+
+
+_GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion, or a text/event-stream of chunks with `stream: true`.",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **_errors(400, 401, 404, 413, 500, 503),
+}
+
+
+def default_step_timeout_s(engine: LLMEngine) -> float:
+    """Return the watchdog limit: 4x a pessimistic time for the largest step, at least 120 s."""
+    num_params = sum(p.numel() for p in engine.model.parameters())
+    tokens = engine.scheduler_config.max_num_batched_tokens
+    flops = 2 * num_params * tokens
+    rate = _WATCHDOG_FLOPS_PER_S.get(engine.model_config.device.type, 10e9)
+    return max(_MIN_STEP_TIMEOUT_S, 4 * flops / rate)
 
 
 def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> FastAPI:
     """Return the app serving one engine; the engine thread runs for the app's lifespan."""
     config = server_config or ServerConfig()
-    model_config = engine.model_config
-    model_name = model_config.served_model_name or model_config.model
+    model_name = engine.served_model_name  # never a filesystem path unless the user typed one
     metrics = EngineMetrics(model_name, engine.cache_config, engine.num_blocks)
-    engine_client = AsyncLLMEngine(engine, metrics, config.max_waiting_requests)
+    step_timeout_s = config.engine_step_timeout_s or default_step_timeout_s(engine)
+    supervision = SupervisionConfig(step_timeout_s, config.max_engine_restarts)
+    engine_client = AsyncLLMEngine(engine, metrics, config.max_waiting_requests, supervision)
     serving = OpenAIServing(engine_client, model_name)
 
     @asynccontextmanager
@@ -62,34 +112,59 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
         finally:
             await asyncio.to_thread(engine_client.shutdown)
 
-    app = FastAPI(title="infer8", version=__version__, lifespan=lifespan)
+    docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "openapi_url": None}
+    docs.update(redoc_url=None)
+    app = FastAPI(title="infer8", version=__version__, lifespan=lifespan, **docs)
     app.state.engine_client = engine_client
     app.state.metrics = metrics
     _add_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
+    app.add_middleware(AdmissionMiddleware, engine_client=engine_client)
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.allowed_origins is not None:  # CORS, outermost so preflights need no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=parse_json_list(config.allowed_origins, "--allowed-origins"),
+            allow_methods=parse_json_list(config.allowed_methods, "--allowed-methods"),
+            allow_headers=parse_json_list(config.allowed_headers, "--allowed-headers"),
+            allow_credentials=config.allow_credentials,
+        )
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if engine_client.is_healthy else 503)
+    @app.get("/health", response_model=HealthResponse, responses=_HEALTH_RESPONSES)
+    async def health() -> JSONResponse:
+        """Liveness: 503 with the reason when the engine is dead or a step is wedged."""
+        reason = engine_client.health()
+        if reason is None:
+            return JSONResponse(HealthResponse(status="ok").model_dump())
+        return JSONResponse(HealthResponse(status="unhealthy", reason=reason).model_dump(), 503)
+
+    @app.get("/ready", response_model=HealthResponse, responses=_HEALTH_RESPONSES)
+    async def ready() -> JSONResponse:
+        """Readiness: also 503 while draining for shutdown, so no new traffic is routed here."""
+        reason = engine_client.health()
+        if reason is None and engine_client.is_draining:
+            reason = "the server is shutting down"
+        if reason is None:
+            return JSONResponse(HealthResponse(status="ok").model_dump())
+        return JSONResponse(HealthResponse(status="unavailable", reason=reason).model_dump(), 503)
 
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def list_models() -> JSONResponse:
-        card = ModelCard(id=model_name, root=model_config.model, max_model_len=engine.max_model_len)
+        card = ModelCard(id=model_name, root=model_name, max_model_len=engine.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
-        sub = serving.submit_completion(body)
+        sub = await serving.submit_completion(body)
         if body.stream:
             return EventStreamResponse(serving.stream_completion(body, sub), sub.group)
         try:
@@ -98,9 +173,9 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
             sub.group.abort()
         return _json_or_gone(result)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        sub = serving.submit_chat(body)
+        sub = await serving.submit_chat(body)
         if body.stream:
             return EventStreamResponse(serving.stream_chat(body, sub), sub.group)
         try:
@@ -109,16 +184,18 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
             sub.group.abort()
         return _json_or_gone(result)
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> JSONResponse:
-        # Between two engine steps; blocks that running requests hold stay cached.
-        try:
-            num_blocks = await engine_client.reset_prefix_cache()
-        except EngineDeadError as e:
-            raise APIError(503, str(e), "server_error", code="engine_unavailable") from None
-        return JSONResponse({"num_dropped_blocks": num_blocks})
+    if config.enable_server_dev_mode:  # admin endpoints, as vLLM's VLLM_SERVER_DEV_MODE
 
-    @app.post("/tokenize")
+        @app.post("/reset_prefix_cache", responses=_errors(401, 503))
+        async def reset_prefix_cache() -> JSONResponse:
+            # Between two engine steps; blocks that running requests hold stay cached.
+            try:
+                num_blocks = await engine_client.reset_prefix_cache()
+            except EngineDeadError as e:
+                raise APIError(503, str(e), "server_error", code="engine_unavailable") from None
+            return JSONResponse({"num_dropped_blocks": num_blocks})
+
+    @app.post("/tokenize", responses=_errors(400, 401, 404, 413))
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
         serving.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
@@ -134,7 +211,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
         )
         return JSONResponse(response.model_dump())
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_errors(400, 401, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         serving.check_model(body.model)
         serving.check_token_ids(body.tokens, "tokens")
@@ -192,8 +269,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # The details (names, paths) go to the log, never to the client.
         logger.exception("internal error on %s", request.url.path)
-        return error_response(500, f"internal server error: {exc!r}", "server_error")
+        return error_response(500, "internal server error (see the server log)", "server_error")
 
 
 # -- client disconnects ------------------------------------------------------------------------
@@ -249,6 +327,45 @@ class EventStreamResponse(StreamingResponse):
 
 
 # -- guards ------------------------------------------------------------------------------------
+class AdmissionMiddleware:
+    """Refuses generation requests at once, before reading the body, when draining or full.
+
+    This keeps a 503 cheap under a burst: no JSON parsing, no tokenization.
+    """
+
+    def __init__(self, app: ASGIApp, engine_client: AsyncLLMEngine) -> None:
+        self.app = app
+        self.engine_client = engine_client
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in _GENERATE_PATHS:
+            client = self.engine_client
+            response = None
+            if client.is_draining:
+                response = error_response(
+                    503,
+                    "the server is shutting down; retry on another replica",
+                    "server_error",
+                    code="server_shutting_down",
+                    headers={"Connection": "close"},
+                )
+            elif client.is_overloaded:
+                if client.metrics is not None:
+                    client.metrics.on_rejected()
+                response = error_response(
+                    503,
+                    f"the server is overloaded (--max-waiting-requests "
+                    f"{client.max_waiting_requests} reached); retry later",
+                    "server_overloaded",
+                    code="server_overloaded",
+                    headers={"Retry-After": "1"},
+                )
+            if response is not None:
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class APIKeyMiddleware:
     """Refuses requests without `Authorization: Bearer <api_key>` (probes and /metrics open)."""
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +15,9 @@ import jinja2
 from infer8.entrypoints.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
+    EngineDrainingError,
     EngineOverloadedError,
+    RequestFailedError,
     RequestGroup,
 )
 from infer8.entrypoints.openai.protocol import (
@@ -35,11 +39,12 @@ from infer8.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from infer8.outputs import CompletionOutput, Logprobs, RequestOutput
-from infer8.sampling_params import SamplingParams
+from infer8.sampling_params import RequestOutputKind, SamplingParams
 
 # One API request may fan out into at most this many engine requests (prompts x n).
 MAX_ENGINE_REQUESTS_PER_API_REQUEST = 1024
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+_CLOSE = {"Connection": "close"}
 
 
 @dataclass
@@ -64,6 +69,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.default_sampling = engine.default_sampling  # the model's generation config
 
     # -- shared validation ------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -114,11 +120,14 @@ class OpenAIServing:
         choice: int,
     ) -> SamplingParams:
         try:
-            params = request.sampling_params(max_tokens, logprobs, seed_offset=choice)
+            params = request.sampling_params(
+                max_tokens, logprobs, seed_offset=choice, defaults=self.default_sampling
+            )
         except ValueError as e:
             raise APIError(400, str(e)) from None
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
-        return params
+        # Outputs as deltas: each step costs O(new tokens), whatever the answer's length.
+        return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
 
     def _check_fan_out(self, num_sequences: int) -> None:
         if num_sequences > MAX_ENGINE_REQUESTS_PER_API_REQUEST:
@@ -135,10 +144,11 @@ class OpenAIServing:
         prompts: list[list[int]],
         params: list[SamplingParams],
         cache_salt: str | None,
+        loop: asyncio.AbstractEventLoop,
     ) -> tuple[str, RequestGroup]:
         request_id = f"{kind}-{uuid.uuid4().hex}"
         try:
-            group = self.engine_client.add_requests(request_id, prompts, params, cache_salt)
+            group = self.engine_client.add_requests(request_id, prompts, params, cache_salt, loop)
         except EngineOverloadedError as e:
             if self.engine_client.metrics is not None:
                 self.engine_client.metrics.on_rejected()
@@ -149,21 +159,36 @@ class OpenAIServing:
                 code="server_overloaded",
                 headers={"Retry-After": "1"},
             ) from None
+        except EngineDrainingError as e:
+            raise APIError(
+                503, str(e), "server_error", code="server_shutting_down", headers=_CLOSE
+            ) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), "server_error", code="engine_unavailable") from None
         return request_id, group
 
     # -- completions ------------------------------------------------------------------------
-    def submit_completion(self, request: CompletionRequest) -> Submission:
-        """Validate, tokenize and submit a completion request."""
+    async def submit_completion(self, request: CompletionRequest) -> Submission:
+        """Validate, tokenize (off the event loop) and submit a completion request."""
         self.check_model(request.model)
+        return await _in_thread(self._submit_completion, request)
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
+    def _submit_completion(
+        self, request: CompletionRequest, loop: asyncio.AbstractEventLoop
+    ) -> Submission:
         prompt = request.prompt
         texts: list[str | None]
         if isinstance(prompt, str):
-            texts, token_lists = [prompt], [self.tokenizer.encode(prompt)]
+            texts, token_lists = [prompt], [self._encode(prompt, "prompt")]
         elif prompt and isinstance(prompt[0], str):
             texts = list(prompt)  # type: ignore[arg-type]
-            token_lists = [self.tokenizer.encode(p) for p in texts]  # type: ignore[arg-type]
+            token_lists = [self._encode(p, "prompt") for p in texts]  # type: ignore[arg-type]
         elif prompt and isinstance(prompt[0], list):
             token_lists = [list(p) for p in prompt]  # type: ignore[union-attr]
             texts = [None] * len(token_lists)
@@ -182,7 +207,7 @@ class OpenAIServing:
                     echo_texts.append(
                         text if text is not None else self.tokenizer.decode(token_ids)
                     )
-        request_id, group = self._submit("cmpl", prompts, params, request.cache_salt)
+        request_id, group = self._submit("cmpl", prompts, params, request.cache_salt, loop)
         return Submission(
             request_id,
             group,
@@ -193,13 +218,7 @@ class OpenAIServing:
 
     async def complete(self, request: CompletionRequest, sub: Submission) -> CompletionResponse:
         """Run a submitted completion to the end and return the whole response."""
-        finals: dict[int, CompletionOutput] = {}
-        logprobs: dict[int, list[Logprobs]] = {}
-        async for index, output in _outputs(sub.group):
-            completion = output.outputs[0]
-            logprobs.setdefault(index, []).extend(completion.logprobs or [])
-            if output.finished:
-                finals[index] = completion
+        finals, logprobs = await _collect(sub.group)
         choices = []
         for index in sorted(finals):
             completion = finals[index]
@@ -237,7 +256,7 @@ class OpenAIServing:
                 text = completion.delta_text
                 if sub.echo_texts and index not in num_tokens:
                     text = sub.echo_texts[index] + text
-                num_tokens[index] = len(completion.token_ids)
+                num_tokens[index] = num_tokens.get(index, 0) + len(completion.delta_token_ids)
                 if not (text or completion.delta_token_ids or output.finished):
                     continue
                 offset = text_lens.get(index, 0)
@@ -310,9 +329,14 @@ class OpenAIServing:
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
-    def submit_chat(self, request: ChatCompletionRequest) -> Submission:
-        """Validate, apply the chat template and submit a chat completion request."""
+    async def submit_chat(self, request: ChatCompletionRequest) -> Submission:
+        """Validate, apply the chat template (off the event loop) and submit a chat request."""
         self.check_model(request.model)
+        return await _in_thread(self._submit_chat, request)
+
+    def _submit_chat(
+        self, request: ChatCompletionRequest, loop: asyncio.AbstractEventLoop
+    ) -> Submission:
         token_ids = self.chat_prompt(
             request.messages,
             request.add_generation_prompt is not False,
@@ -323,18 +347,14 @@ class OpenAIServing:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         n = request.n or 1
         params = [self._params(request, max_tokens, logprobs, i) for i in range(n)]
-        request_id, group = self._submit("chatcmpl", [token_ids] * n, params, request.cache_salt)
+        request_id, group = self._submit(
+            "chatcmpl", [token_ids] * n, params, request.cache_salt, loop
+        )
         return Submission(request_id, group, len(token_ids), *_usage_flags(request))
 
     async def chat(self, request: ChatCompletionRequest, sub: Submission) -> ChatCompletionResponse:
         """Run a submitted chat completion to the end and return the whole response."""
-        finals: dict[int, CompletionOutput] = {}
-        logprobs: dict[int, list[Logprobs]] = {}
-        async for index, output in _outputs(sub.group):
-            completion = output.outputs[0]
-            logprobs.setdefault(index, []).extend(completion.logprobs or [])
-            if output.finished:
-                finals[index] = completion
+        finals, logprobs = await _collect(sub.group)
         choices = [
             ChatChoice(
                 index=index,
@@ -381,7 +401,7 @@ class OpenAIServing:
                 )
             async for index, output in _outputs(sub.group):
                 completion = output.outputs[0]
-                num_tokens[index] = len(completion.token_ids)
+                num_tokens[index] += len(completion.delta_token_ids)
                 if not (completion.delta_text or completion.delta_token_ids or output.finished):
                     continue
                 yield chunk(
@@ -433,6 +453,25 @@ class OpenAIServing:
         )
 
 
+async def _in_thread(
+    submit: Callable[[Any, asyncio.AbstractEventLoop], Submission], request: Any
+) -> Submission:
+    """Run a submit function in a worker thread (tokenizing there keeps the event loop free).
+
+    If the caller is cancelled (the client left) the submission still completes in its thread;
+    its requests are then aborted instead of running for nobody.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.run_in_executor(None, submit, request, loop)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(
+            lambda f: f.result().group.abort() if not f.cancelled() and not f.exception() else None
+        )
+        raise
+
+
 async def _outputs(group: RequestGroup) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield a group's outputs, turning engine-side failures into API errors."""
     try:
@@ -442,6 +481,28 @@ async def _outputs(group: RequestGroup) -> AsyncIterator[tuple[int, RequestOutpu
         raise APIError(400, str(e)) from None
     except EngineDeadError as e:
         raise APIError(503, str(e), "server_error", code="engine_unavailable") from None
+    except RequestFailedError as e:
+        raise APIError(500, str(e), "server_error", code="generation_failed") from None
+
+
+async def _collect(
+    group: RequestGroup,
+) -> tuple[dict[int, CompletionOutput], dict[int, list[Logprobs]]]:
+    """Run a group to the end; return each choice's whole completion and its logprobs."""
+    texts: dict[int, list[str]] = {}
+    token_ids: dict[int, list[int]] = {}
+    logprobs: dict[int, list[Logprobs]] = {}
+    finals: dict[int, CompletionOutput] = {}
+    async for index, output in _outputs(group):
+        completion = output.outputs[0]
+        texts.setdefault(index, []).append(completion.delta_text)
+        token_ids.setdefault(index, []).extend(completion.delta_token_ids)
+        logprobs.setdefault(index, []).extend(completion.logprobs or [])
+        if output.finished:
+            finals[index] = dataclasses.replace(
+                completion, text="".join(texts[index]), token_ids=token_ids[index]
+            )
+    return finals, logprobs
 
 
 def _usage_flags(request: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:

@@ -1,0 +1,156 @@
+"""Front-end latency under abuse (issue #18): /health while 1 MB prompts arrive, 503s in a burst.
+
+    python benchmarks/frontend.py [--model PATH] [--out frontend.json]
+
+Starts `infer8 serve` on 127.0.0.1 (the default model unless --model), then, from this process
+(the load generator is not the server's process):
+1. health: 4 clients post 1 MB prompts in a loop (each is tokenized, then refused as too long)
+   while /health is polled every 20 ms for 10 s; prints the /health latency percentiles.
+2. burst: 400 connections opened first, then 400 completion requests written at once to a server
+   with --max-num-seqs 16 --max-waiting-requests 32; prints the time to each 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str | None, port: int, extra: list[str]) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "infer8.entrypoints.cli", "serve"]
+    argv += ([model] if model else []) + ["--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--uvicorn-log-level", "warning", *extra]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "server exited"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.3)
+    raise RuntimeError("server did not start")
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    values = sorted(values)
+
+    def pct(p: float) -> float:
+        return values[min(len(values) - 1, int(p / 100 * len(values)))]
+
+    return {
+        "n": len(values),
+        "p50_ms": 1e3 * pct(50),
+        "p99_ms": 1e3 * pct(99),
+        "max_ms": 1e3 * values[-1],
+        "mean_ms": 1e3 * statistics.fmean(values),
+    }
+
+
+def health_under_big_prompts(url: str, duration_s: float = 10.0) -> dict[str, float]:
+    stop = threading.Event()
+    prompt = ("The quick brown fox jumps over the lazy dog. " * 23000)[:1_000_000]
+    num_big = [0]
+
+    def flood() -> None:
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                num_big[0] += 1
+
+    threads = [threading.Thread(target=flood, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    latencies = []
+    with httpx.Client(timeout=10) as client:
+        end = time.monotonic() + duration_s
+        while time.monotonic() < end:
+            start = time.perf_counter()
+            assert client.get(f"{url}/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.02)
+    stop.set()
+    for t in threads:
+        t.join()
+    return {**percentiles(latencies), "num_1mb_prompts": num_big[0]}
+
+
+async def _burst(host: str, port: int, num: int) -> tuple[list[float], dict[int, int]]:
+    body = json.dumps({"prompt": "Hello", "max_tokens": 64, "ignore_eos": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    conns = [await asyncio.open_connection(host, port) for _ in range(num)]
+    times_503: list[float] = []
+    statuses: dict[int, int] = {}
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        start = time.perf_counter()
+        writer.write(head + body)
+        await writer.drain()
+        status_line = await reader.readline()
+        elapsed = time.perf_counter() - start
+        status = int(status_line.split()[1])
+        statuses[status] = statuses.get(status, 0) + 1
+        if status == 503:
+            times_503.append(elapsed)
+        await reader.read()
+        writer.close()
+
+    await asyncio.gather(*(one(r, w) for r, w in conns))
+    return times_503, statuses
+
+
+def overload_burst(port: int, num: int = 400) -> dict[str, object]:
+    times_503, statuses = asyncio.run(_burst("127.0.0.1", port, num))
+    return {**percentiles(times_503), "statuses": statuses}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results: dict[str, object] = {}
+    port = _free_port()
+    proc = start_server(args.model, port, ["--kv-cache-memory-bytes", str(256 << 20)])
+    try:
+        results["health_under_1mb_prompts"] = health_under_big_prompts(f"http://127.0.0.1:{port}")
+    finally:
+        proc.terminate()
+        proc.wait()
+    port = _free_port()
+    extra = ["--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "16"]
+    proc = start_server(args.model, port, [*extra, "--max-waiting-requests", "32"])
+    try:
+        results["time_to_503_in_400_burst"] = overload_burst(port)
+    finally:
+        proc.terminate()
+        proc.wait()
+    print(json.dumps(results, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""A newcomer's first steps (issue #14): the README as written, mistakes caught before loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from infer8.config import EngineArgs
+from infer8.engine import LLMEngine
+from tests.utils import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "infer8.entrypoints.cli", "serve", *argv]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or os.environ
+    )
+
+
+def _wait_healthy(proc: subprocess.Popen[str], url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert time.monotonic() < deadline, "server did not come up"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen[str]) -> str:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.stdout.read() if proc.stdout else ""
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("first"), "llama")
+
+
+# -- the README, executed -------------------------------------------------------------------
+@pytest.mark.real_model
+def test_readme_python_snippet_prints_a_sensible_answer() -> None:
+    snippet = re.search(r"## Use\n\n```python\n(.*?)```", README, re.S)
+    assert snippet is not None, "README has no Python snippet under ## Use"
+    run = subprocess.run(
+        [sys.executable, "-c", snippet.group(1)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Paris" in run.stdout
+
+
+@pytest.fixture(scope="module")
+def default_server() -> Iterator[str]:
+    port = _free_port()
+    proc = _serve(["--port", str(port), "--host", "127.0.0.1", "--max-num-seqs", "8"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url)
+        yield url
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.real_model
+def test_readme_curl_and_the_openai_client(default_server: str) -> None:
+    curl = re.search(r"^curl localhost:8000/v1/chat/completions.*?}'$", README, re.S | re.M)
+    assert curl is not None, "README has no curl example"
+    port = default_server.rsplit(":", 1)[1]
+    command = curl.group(0).replace("localhost:8000", f"127.0.0.1:{port}").replace("\\\n", " ")
+    run = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=120)
+    reply = json.loads(run.stdout)
+    assert reply["model"] == DEFAULT_NAME and reply["choices"][0]["message"]["content"]
+
+    client = openai.OpenAI(base_url=f"{default_server}/v1", api_key="none", max_retries=0)
+    models = client.models.list().data
+    assert [m.id for m in models] == [DEFAULT_NAME]
+    assert "/" not in json.dumps([m.model_dump() for m in models])  # no filesystem path
+    answer = client.chat.completions.create(
+        model=DEFAULT_NAME,
+        messages=[
+            {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
+        ],  # fmt: skip
+        max_tokens=24,
+    )
+    assert "Paris" in (answer.choices[0].message.content or "")
+
+
+# -- mistakes: one line and a non-zero exit before any model is loaded -----------------------
+def _serve_error(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str, float]:
+    start = time.monotonic()
+    proc = _serve(argv, env)
+    out = _stop(proc) if proc.wait(timeout=60) is None else proc.stdout.read()  # type: ignore[union-attr]
+    return proc.returncode, out, time.monotonic() - start
+
+
+def test_port_in_use_is_one_line_before_loading(tiny_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, _ = _serve_error([str(tiny_dir), "--host", "127.0.0.1", "--port", str(port)])
+    assert code != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in out
+    assert "Traceback" not in out and "KV cache" not in out  # nothing was loaded
+
+
+def test_impossible_tp_size_and_missing_cuda_fail_before_any_download(tmp_path: Path) -> None:
+    env = {**os.environ, "INFER8_CACHE": str(tmp_path / "cache")}
+    code, out, _ = _serve_error(["--tensor-parallel-size", "2"], env)  # the default model: 9 heads
+    assert code != 0 and "tensor_parallel_size 2" in out and "choose one of [1, 3" in out
+    assert "Traceback" not in out and not (tmp_path / "cache").exists()  # nothing fetched
+    code, out, _ = _serve_error(["--device", "cuda"], env)
+    assert code != 0 and "--device cuda" in out and "Traceback" not in out
+    assert len(out.strip().splitlines()) == 1
+
+
+def test_version_and_a_closed_pipe() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "infer8.entrypoints.cli", "--version"],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0 and run.stdout.startswith("infer8 ")
+    piped = subprocess.run(
+        f"{shlex.quote(sys.executable)} -m infer8.entrypoints.cli plan | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+    )
+    assert piped.stdout.strip() and "Traceback" not in piped.stderr
+    assert "BrokenPipe" not in piped.stderr
+
+
+# -- things that must just work ---------------------------------------------------------------
+def test_fp8_kv_cache_serves_without_a_compiler(tiny_dir: Path, tmp_path: Path) -> None:
+    no_tools = tmp_path / "bin"
+    no_tools.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX", "TORCHINDUCTOR_CACHE_DIR")}
+    env.update(
+        PATH=str(no_tools),  # no gcc, cc, g++ or c++
+        INFER8_CACHE=str(tmp_path / "cache"),  # no native kernel built earlier
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),  # no compiled kernel cached
+    )
+    port = _free_port()
+    argv = [str(tiny_dir), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8", "--port", str(port)]
+    proc = _serve([*argv, "--host", "127.0.0.1", "--kv-cache-memory-bytes", str(8 << 20)], env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url)
+        for _ in range(2):
+            body = {"prompt": "hello there", "max_tokens": 8, "ignore_eos": True}
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 8
+        assert httpx.get(f"{url}/health").status_code == 200
+    finally:
+        out = _stop(proc)
+    assert "eager torch" in out  # the log says which path it really took
+
+
+def test_kv_budget_is_sized_to_need_and_reported(
+    tiny_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    engine = LLMEngine(
+        EngineArgs(model=str(tiny_dir), dtype="float32", max_num_seqs=2, max_model_len=128)
+    )
+    assert engine.num_blocks == 2 * 128 // 16  # 2 sequences x 128 tokens, not the 4 GiB cap
+    out = capsys.readouterr().out
+    assert "what --max-num-seqs x max-model-len can fill" in out
+    assert "maximum concurrency for 128 tokens per request: 2.00x" in out
