@@ -9,7 +9,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from infer8.engine import LLMEngine
@@ -148,6 +148,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._last_saturation_read_s = 0.0
+        # Called on the engine thread when it has handled commands and holds no request.
+        self.idle_loggers: list[Callable[[], None]] = []
 
     # -- the caller's side (event loop thread) ---------------------------------------------
     def start(self) -> None:
@@ -237,6 +239,9 @@ class AsyncLLMEngine:
             if engine.has_unfinished_requests():
                 self._step()
             self._publish_gauges(force_saturation=not engine.has_unfinished_requests())
+            if not engine.has_unfinished_requests():
+                for log in self.idle_loggers:
+                    log()
 
     def _next_commands(self, block: bool) -> list[_Command]:
         """Return queued commands; when idle, wait for at least one instead of spinning."""

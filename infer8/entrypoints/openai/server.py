@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from infer8 import __version__
 from infer8.engine import LLMEngine
 from infer8.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, RequestGroup
+from infer8.entrypoints.console import CONSOLE_PUBLIC_PATHS, StepRecorder, add_console_routes
 from infer8.entrypoints.openai.cli_args import ServerConfig
 from infer8.entrypoints.openai.protocol import (
     APIError,
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # Paths open without the API key (probes and scrapers), as in vLLM.
-_PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})
+_PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"}) | CONSOLE_PUBLIC_PATHS
 
 
 def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> FastAPI:
@@ -53,6 +54,9 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     metrics = EngineMetrics(model_name, engine.cache_config, engine.num_blocks)
     engine_client = AsyncLLMEngine(engine, metrics, config.max_waiting_requests)
     serving = OpenAIServing(engine_client, model_name)
+    recorder = StepRecorder(engine, metrics)  # the web console's engine view
+    engine.stat_loggers.append(recorder.on_step)
+    engine_client.idle_loggers.append(recorder.on_idle)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -141,6 +145,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
         text = engine.tokenizer.decode(body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
+    add_console_routes(app, recorder)
     return app
 
 
