@@ -111,6 +111,8 @@ class StepRecorder:
         totals.num_prefix_cache_hits += stats.num_prefix_cache_hits
         now_s = self.clock()
         is_idle = not stats.num_running and not stats.num_waiting
+        if not is_idle:
+            self._last_was_idle = False  # until a record shows the idle state
         # The step that drains the batch is always shown, so the view never ends stale.
         if now_s - self._last_record_s >= self.min_interval_s or is_idle:
             self._emit(now_s, stats.num_running, stats.num_waiting)

@@ -24,9 +24,15 @@ STATIC_FILES = (
     "favicon.svg",
 )
 EVENTS_PATH = "/console/api/events"
+CONFIG_PATH = "/console/config.js"
 # Pages and static files hold nothing secret: they load without the API key, then ask for it.
 # Everything they show comes from guarded endpoints (the event stream, /v1/...).
-CONSOLE_PUBLIC_PATHS = frozenset(PAGES) | frozenset(f"/console/{name}" for name in STATIC_FILES)
+# config.js tells the page whether to ask for a key (what a 401 from /v1/models tells anyway).
+CONSOLE_PUBLIC_PATHS = (
+    frozenset(PAGES)
+    | frozenset(f"/console/{name}" for name in STATIC_FILES)
+    | {CONFIG_PATH, "/favicon.ico"}
+)
 _MEDIA_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".css": "text/css; charset=utf-8",
@@ -41,8 +47,14 @@ def _static_response(name: str) -> FileResponse:
     return FileResponse(path, media_type=_MEDIA_TYPES[path.suffix], headers=_NO_CACHE)
 
 
-def add_console_routes(app: FastAPI, recorder: StepRecorder) -> None:
+def add_console_routes(app: FastAPI, recorder: StepRecorder, is_key_required: bool = False) -> None:
     """Add the chat page at `/`, the engine view at `/engine` and their event stream."""
+    config_js = f"const INFER8_KEY_REQUIRED = {'true' if is_key_required else 'false'};\n"
+
+    @app.get(CONFIG_PATH, include_in_schema=False)
+    async def console_config() -> Response:
+        return Response(config_js, media_type=_MEDIA_TYPES[".js"], headers=_NO_CACHE)
+
     for url_path, name in PAGES.items():
         app.add_api_route(
             url_path,

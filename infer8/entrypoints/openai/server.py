@@ -145,7 +145,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
         text = engine.tokenizer.decode(body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
-    add_console_routes(app, recorder)
+    add_console_routes(app, recorder, is_key_required=config.api_key is not None)
     return app
 
 

@@ -26,6 +26,8 @@ const infer8 = {
 
   // Resolve with the served model list once the server accepts our key (asking for it if needed).
   async unlock() {
+    // Ask before probing when a key is needed and none is kept: no request fails needlessly.
+    if (INFER8_KEY_REQUIRED && !infer8.apiKey()) await infer8.askForKey("");
     for (;;) {
       let response;
       try {
