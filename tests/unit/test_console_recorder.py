@@ -340,3 +340,16 @@ def test_metric_figures_read_the_server_registry() -> None:
     assert figures["ttft_s"][0] == pytest.approx(expected)
     assert figures["prefix_cache_hit_rate"] == 0.25
     assert figures["finished"]["stop"] == 1.0
+
+
+def test_close_ends_every_open_stream_so_shutdown_need_not_wait() -> None:
+    async def run() -> None:
+        recorder = StepRecorder(FakeEngine(), clock=Clock())  # type: ignore[arg-type]
+        stream, _ = await _open(recorder)
+        await stream.__anext__()  # the first metrics event (or keep-alive)
+        recorder.close()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(stream.__anext__(), 5)
+        assert recorder.num_viewers == 0
+
+    asyncio.run(run())

@@ -93,6 +93,7 @@ class StepRecorder:
         self._build_lock = threading.Lock()  # the engine thread and a joining viewer build records
         self._info: dict[str, Any] | None = None
         self._figures: tuple[float, str] | None = None  # (time, encoded event), shared by viewers
+        self._is_closed = False
 
     # -- the engine thread -------------------------------------------------------------------
     def on_step(self, stats: SchedulerStats) -> None:
@@ -172,7 +173,21 @@ class StepRecorder:
                 record["saturated"] = engine.kv_saturation_counts()
         return record
 
+    def close(self) -> None:
+        """End every viewer's stream (server shutdown: they would never end on their own)."""
+        self._is_closed = True
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._wake_all)
+            except RuntimeError:  # the event loop has closed already
+                pass
+
     # -- the event loop ------------------------------------------------------------------------
+    def _wake_all(self) -> None:
+        for viewer in self._viewers:
+            viewer.wakeup.set()
+
     def _publish(self, record: dict[str, Any]) -> None:
         if not self._viewers:
             return
@@ -208,7 +223,7 @@ class StepRecorder:
             first = self.build_record(self.clock(), num_running, num_waiting, _Totals())
             yield sse_event("step", first)
             last_figures_s = float("-inf")
-            while True:
+            while not self._is_closed:
                 if time.monotonic() - last_figures_s >= heartbeat_s:
                     last_figures_s = time.monotonic()
                     figures = self._figures_event()
@@ -216,6 +231,8 @@ class StepRecorder:
                 while viewer.events:
                     yield viewer.events.popleft()
                 viewer.wakeup.clear()
+                if self._is_closed:
+                    break
                 try:
                     await asyncio.wait_for(viewer.wakeup.wait(), heartbeat_s)
                 except asyncio.TimeoutError:

@@ -22,6 +22,14 @@ def _note_signal(signum: int, frame: FrameType | None) -> None:
     logger.info("received signal %d after shutdown", signum)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server that, on SIGTERM / SIGINT, also ends the web console's endless streams."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.config.app.state.console_recorder.close()  # else the drain waits for open viewers
+        super().handle_exit(sig, frame)
+
+
 def run_server(engine_args: EngineArgs, server_config: ServerConfig) -> int:
     """Load the engine, serve until SIGTERM / SIGINT, drain in-flight requests; return 0.
 
@@ -39,7 +47,7 @@ def run_server(engine_args: EngineArgs, server_config: ServerConfig) -> int:
         log_level=server_config.uvicorn_log_level,
         timeout_graceful_shutdown=server_config.shutdown_grace_period_s,  # type: ignore[arg-type]
     )
-    server = uvicorn.Server(config)
+    server = _Server(config)
     # uvicorn re-raises the signal that stopped it with the handler found at start; make that
     # a no-op so a drained shutdown exits 0 instead of dying by the signal.
     for signum in (signal.SIGTERM, signal.SIGINT):

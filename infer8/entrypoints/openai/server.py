@@ -69,6 +69,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     app = FastAPI(title="infer8", version=__version__, lifespan=lifespan)
     app.state.engine_client = engine_client
     app.state.metrics = metrics
+    app.state.console_recorder = recorder
     _add_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
     if config.api_key is not None:
