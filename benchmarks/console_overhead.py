@@ -129,8 +129,10 @@ def main() -> None:
     num_records: list[int] = []
     try:
         asyncio.run(_workload(server.url, model, args.num_requests, 8))  # warm-up
-        for _ in range(args.rounds):
-            for mode in ("none", "viewer"):
+        for round_index in range(args.rounds):
+            # Alternate which side goes first, so warm-up and drift fall on both alike.
+            modes = ("none", "viewer") if round_index % 2 == 0 else ("viewer", "none")
+            for mode in modes:
                 viewer = None
                 if mode == "viewer":
                     viewer = subprocess.Popen(
@@ -155,13 +157,19 @@ def main() -> None:
     none_median = statistics.median(results["none"])
     viewer_median = statistics.median(results["viewer"])
     change = 100 * (viewer_median / none_median - 1)
+    # Each round's viewer run against the no-viewer run next to it: drift cancels in the ratio.
+    pair_changes = [100 * (v / n - 1) for n, v in zip(results["none"], results["viewer"])]
     print()
     print("| viewers | output tok/s (median of runs) | runs |")
     print("|---|---|---|")
     print(f"| 0 | {none_median:.1f} | {', '.join(f'{r:.1f}' for r in results['none'])} |")
     print(f"| 1 | {viewer_median:.1f} | {', '.join(f'{r:.1f}' for r in results['viewer'])} |")
     print(
-        f"\nwith one viewer: {change:+.1f}% output tokens/s; records received per run >= "
+        f"\nper-round change: {', '.join(f'{c:+.1f}%' for c in pair_changes)}; "
+        f"median {statistics.median(pair_changes):+.1f}%"
+    )
+    print(
+        f"with one viewer: {change:+.1f}% output tokens/s; records received per run >= "
         f"{min(num_records) if num_records else 0}"
     )
     if args.json is not None:
@@ -170,6 +178,7 @@ def main() -> None:
             "args": {k: str(v) for k, v in vars(args).items()},
             "results": results,
             "change_percent": change,
+            "pair_change_percent": pair_changes,
             "num_records_min": min(num_records, default=0),
         }
         args.json.write_text(json.dumps(payload, indent=2))

@@ -129,6 +129,7 @@ const infer8 = {
 document.addEventListener("DOMContentLoaded", () => {
   const forget = document.getElementById("forget-key");
   if (forget) {
+    forget.hidden = !INFER8_KEY_REQUIRED;
     forget.addEventListener("click", () => {
       sessionStorage.removeItem(KEY_STORAGE);
       location.reload();
