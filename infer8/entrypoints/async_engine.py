@@ -199,6 +199,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._last_saturation_read_s = 0.0
+        # Called on the engine thread when it has handled commands and holds no request.
+        self.idle_loggers: list[Callable[[], None]] = []
 
     # -- the caller's side (event loop thread) ---------------------------------------------
     def start(self) -> None:
@@ -439,6 +441,9 @@ class AsyncLLMEngine:
                 self._step()
             is_idle = not engine.has_unfinished_requests()
             self._publish_gauges(force_saturation=is_idle)
+            if is_idle:
+                for log in self.idle_loggers:
+                    log()
             now_s = time.monotonic()
             if is_idle or now_s - self._last_trim_s > _TRIM_INTERVAL_S:
                 self._last_trim_s = now_s

@@ -30,7 +30,10 @@ def _note_signal(signum: int, frame: FrameType | None) -> None:
 
 
 class _DrainingServer(uvicorn.Server):
-    """A uvicorn server that, on SIGTERM / SIGINT, first makes the engine refuse new work."""
+    """A uvicorn server that, on SIGTERM / SIGINT, first makes the engine refuse new work.
+
+    It also ends the web console's endless streams, which the drain would otherwise wait for.
+    """
 
     def __init__(self, config: uvicorn.Config, on_exit_signal: Callable[[], None]) -> None:
         super().__init__(config)
@@ -38,6 +41,7 @@ class _DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.on_exit_signal()
+        self.config.app.state.console_recorder.close()
         super().handle_exit(sig, frame)
 
 
@@ -79,6 +83,7 @@ def run_server(engine_args: EngineArgs, server_config: ServerConfig) -> int:
     def on_fatal(reason: str) -> None:
         fatal_reasons.append(reason)
         engine_client.start_drain(0.0)
+        app.state.console_recorder.close()
         server.should_exit = True
 
     engine_client.on_fatal = on_fatal

@@ -26,6 +26,7 @@ from infer8.entrypoints.async_engine import (
     RequestGroup,
     SupervisionConfig,
 )
+from infer8.entrypoints.console import CONSOLE_PUBLIC_PATHS, StepRecorder, add_console_routes
 from infer8.entrypoints.openai.cli_args import ServerConfig
 from infer8.entrypoints.openai.protocol import (
     APIError,
@@ -50,7 +51,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # Paths open without the API key (probes and scrapers), as in vLLM.
-_PUBLIC_PATHS = frozenset({"/health", "/ready", "/version", "/metrics", "/openapi.json", "/docs"})
+_PUBLIC_PATHS = (
+    frozenset({"/health", "/ready", "/version", "/metrics", "/openapi.json", "/docs"})
+    | CONSOLE_PUBLIC_PATHS
+)
 # Paths that start generation: refused at once (before parsing) when overloaded or draining.
 _GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _MIN_STEP_TIMEOUT_S = 120.0
@@ -103,6 +107,9 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     supervision = SupervisionConfig(step_timeout_s, config.max_engine_restarts)
     engine_client = AsyncLLMEngine(engine, metrics, config.max_waiting_requests, supervision)
     serving = OpenAIServing(engine_client, model_name)
+    recorder = StepRecorder(engine, metrics)  # the web console's engine view
+    engine.stat_loggers.append(recorder.on_step)
+    engine_client.idle_loggers.append(recorder.on_idle)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -117,6 +124,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     app = FastAPI(title="infer8", version=__version__, lifespan=lifespan, **docs)
     app.state.engine_client = engine_client
     app.state.metrics = metrics
+    app.state.console_recorder = recorder
     _add_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
     app.add_middleware(AdmissionMiddleware, engine_client=engine_client)
@@ -218,6 +226,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
         text = engine.tokenizer.decode(body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
+    add_console_routes(app, recorder, is_key_required=config.api_key is not None)
     return app
 
 

@@ -1,0 +1,242 @@
+"""StepRecorder: compact engine-step records for the console, fanned out to streaming viewers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from infer8.core.sched_output import SchedulerStats
+from infer8.entrypoints.console import snapshot
+
+if TYPE_CHECKING:
+    from infer8.engine import LLMEngine
+    from infer8.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+# At most one record per engine step or per this interval, whichever is rarer.
+MIN_RECORD_INTERVAL_S = 0.1
+# FP8 saturation counters are read this often (a device sync on GPU) and /metrics figures sent.
+SLOW_FIGURES_INTERVAL_S = 1.0
+# A viewer that falls this many records behind loses the oldest ones (bounded memory).
+MAX_QUEUED_RECORDS = 64
+
+
+def sse_event(event: str, data: dict[str, Any]) -> str:
+    """Return one server-sent event."""
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class _Totals:
+    """Counters summed over the steps since the last record."""
+
+    num_steps: int = 0
+    step_time_s: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preemptions: int = 0
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+
+
+class _Viewer:
+    """One connected viewer's queue of encoded events."""
+
+    def __init__(self) -> None:
+        self.events: deque[str] = deque(maxlen=MAX_QUEUED_RECORDS)
+        self.wakeup = asyncio.Event()
+
+    def push(self, text: str) -> None:
+        self.events.append(text)
+        self.wakeup.set()
+
+
+class StepRecorder:
+    """Owns the console's viewers and what they are sent; `on_step` is an engine stat logger.
+
+    With no viewer connected, `on_step` and `on_idle` return at once and read nothing. With
+    viewers, the engine thread sums each step's counters and, at most once per
+    `min_interval_s`, builds a record (counts, the KV block map) and hands it to the event
+    loop with `call_soon_threadsafe`; encoding and fan-out happen there.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: EngineMetrics | None = None,
+        min_interval_s: float = MIN_RECORD_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.min_interval_s = min_interval_s
+        self.clock = clock
+        self.num_viewers = 0  # written on the event loop, read by the engine thread
+        self._viewers: set[_Viewer] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._epoch = 0  # bumped when the first viewer joins: the engine thread starts afresh
+        self._seen_epoch = 0
+        self._totals = _Totals()
+        self._last_record_s = float("-inf")
+        self._last_saturation_s = float("-inf")
+        self._last_was_idle = True
+        self._num_records = 0
+        self._slots = snapshot.OwnerSlots()
+        self._build_lock = threading.Lock()  # the engine thread and a joining viewer build records
+        self._info: dict[str, Any] | None = None
+        self._figures: tuple[float, str] | None = None  # (time, encoded event), shared by viewers
+        self._is_closed = False
+
+    # -- the engine thread -------------------------------------------------------------------
+    def on_step(self, stats: SchedulerStats) -> None:
+        """Sum one step's counters; publish a record if the interval has passed."""
+        if not self.num_viewers:
+            return
+        self._sync_epoch()
+        totals = self._totals
+        num_decode = snapshot.decode_token_count(self.engine, stats.scheduled_req_ids)
+        totals.num_steps += 1
+        totals.step_time_s += stats.step_time_s
+        totals.num_decode_tokens += num_decode
+        totals.num_prefill_tokens += stats.num_scheduled_tokens - num_decode
+        totals.num_preemptions += stats.num_preemptions
+        totals.num_prefix_cache_queries += stats.num_prefix_cache_queries
+        totals.num_prefix_cache_hits += stats.num_prefix_cache_hits
+        now_s = self.clock()
+        is_idle = not stats.num_running and not stats.num_waiting
+        if not is_idle:
+            self._last_was_idle = False  # until a record shows the idle state
+        # The step that drains the batch is always shown, so the view never ends stale.
+        if now_s - self._last_record_s >= self.min_interval_s or is_idle:
+            self._emit(now_s, stats.num_running, stats.num_waiting)
+
+    def on_idle(self) -> None:
+        """Publish the idle state once after requests left between steps (aborts)."""
+        if not self.num_viewers:
+            return
+        self._sync_epoch()
+        if not self._last_was_idle:
+            self._emit(self.clock(), 0, 0)
+
+    def _sync_epoch(self) -> None:
+        """Start afresh when viewers came back after none: old sums and states are stale."""
+        if self._seen_epoch != self._epoch:
+            self._seen_epoch = self._epoch
+            self._totals = _Totals()
+            self._last_was_idle = False
+
+    def _emit(self, now_s: float, num_running: int, num_waiting: int) -> None:
+        record = self.build_record(now_s, num_running, num_waiting, self._totals)
+        self._totals = _Totals()
+        self._last_record_s = now_s
+        self._last_was_idle = not num_running and not num_waiting
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._publish, record)
+        except RuntimeError:  # the event loop has closed: nobody is watching
+            pass
+
+    def build_record(
+        self, now_s: float, num_running: int, num_waiting: int, totals: _Totals
+    ) -> dict[str, Any]:
+        """Return one step record (see docs/console.md for the fields)."""
+        engine = self.engine
+        with self._build_lock:
+            self._num_records += 1
+            record: dict[str, Any] = {
+                "seq": self._num_records,
+                "t": round(time.time(), 3),
+                "running": num_running,
+                "waiting": num_waiting,
+                "preempted": snapshot.num_preempted(engine),
+                "steps": totals.num_steps,
+                "step_ms": round(1e3 * totals.step_time_s / max(1, totals.num_steps), 2),
+                "prefill_tokens": totals.num_prefill_tokens,
+                "decode_tokens": totals.num_decode_tokens,
+                "preemptions": totals.num_preemptions,
+                "prefix_queries": totals.num_prefix_cache_queries,
+                "prefix_hits": totals.num_prefix_cache_hits,
+            }
+            record.update(snapshot.kv_state(engine, self._slots))
+            if engine.kv_spec.is_fp8 and now_s - self._last_saturation_s >= SLOW_FIGURES_INTERVAL_S:
+                self._last_saturation_s = now_s
+                record["saturated"] = engine.kv_saturation_counts()
+        return record
+
+    def close(self) -> None:
+        """End every viewer's stream (server shutdown: they would never end on their own)."""
+        self._is_closed = True
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._wake_all)
+            except RuntimeError:  # the event loop has closed already
+                pass
+
+    # -- the event loop ------------------------------------------------------------------------
+    def _wake_all(self) -> None:
+        for viewer in self._viewers:
+            viewer.wakeup.set()
+
+    def _publish(self, record: dict[str, Any]) -> None:
+        if not self._viewers:
+            return
+        text = sse_event("step", record)
+        for viewer in self._viewers:
+            viewer.push(text)
+
+    def _figures_event(self) -> str | None:
+        """Return the /metrics figures event, computed at most once a second for all viewers."""
+        if self.metrics is None:
+            return None
+        now_s = time.monotonic()
+        if self._figures is None or now_s - self._figures[0] >= SLOW_FIGURES_INTERVAL_S:
+            figures = snapshot.metric_figures(self.metrics.registry)
+            self._figures = (now_s, sse_event("metrics", figures))
+        return self._figures[1]
+
+    async def stream(self, heartbeat_s: float = SLOW_FIGURES_INTERVAL_S) -> AsyncIterator[str]:
+        """Yield server-sent events for one viewer until it is closed: info, step, metrics."""
+        viewer = _Viewer()
+        self._loop = asyncio.get_running_loop()
+        self._viewers.add(viewer)
+        self.num_viewers = len(self._viewers)
+        if self.num_viewers == 1:
+            self._epoch += 1
+        try:
+            if self._info is None:
+                self._info = snapshot.engine_info(self.engine)
+            yield sse_event("info", self._info)
+            # What the cache holds now, even if the engine is idle (read from this thread).
+            scheduler = self.engine.scheduler
+            num_running, num_waiting = len(scheduler.running), len(scheduler.waiting)
+            first = self.build_record(self.clock(), num_running, num_waiting, _Totals())
+            yield sse_event("step", first)
+            last_figures_s = float("-inf")
+            while not self._is_closed:
+                if time.monotonic() - last_figures_s >= heartbeat_s:
+                    last_figures_s = time.monotonic()
+                    figures = self._figures_event()
+                    yield figures if figures is not None else ": keep-alive\n\n"
+                while viewer.events:
+                    yield viewer.events.popleft()
+                viewer.wakeup.clear()
+                if self._is_closed:
+                    break
+                try:
+                    await asyncio.wait_for(viewer.wakeup.wait(), heartbeat_s)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._viewers.discard(viewer)
+            self.num_viewers = len(self._viewers)

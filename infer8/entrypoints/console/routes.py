@@ -1,0 +1,107 @@
+"""The console's routes: the two pages, their static files, and the engine-view event stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from infer8.entrypoints.console.recorder import StepRecorder
+
+STATIC_DIR = Path(__file__).parent / "static"
+PAGES = {"/": "chat.html", "/engine": "engine.html"}
+STATIC_FILES = (
+    "console.css",
+    "common.js",
+    "markdown.js",
+    "chat.js",
+    "charts.js",
+    "engine.js",
+    "favicon.svg",
+)
+EVENTS_PATH = "/console/api/events"
+CONFIG_PATH = "/console/config.js"
+# Pages and static files hold nothing secret: they load without the API key, then ask for it.
+# Everything they show comes from guarded endpoints (the event stream, /v1/...).
+# config.js tells the page whether to ask for a key (what a 401 from /v1/models tells anyway).
+CONSOLE_PUBLIC_PATHS = (
+    frozenset(PAGES)
+    | frozenset(f"/console/{name}" for name in STATIC_FILES)
+    | {CONFIG_PATH, "/favicon.ico"}
+)
+_MEDIA_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".svg": "image/svg+xml",
+}
+_NO_CACHE = {"Cache-Control": "no-cache"}
+
+
+def _static_response(name: str) -> FileResponse:
+    path = STATIC_DIR / name
+    return FileResponse(path, media_type=_MEDIA_TYPES[path.suffix], headers=_NO_CACHE)
+
+
+def add_console_routes(app: FastAPI, recorder: StepRecorder, is_key_required: bool = False) -> None:
+    """Add the chat page at `/`, the engine view at `/engine` and their event stream."""
+    config_js = f"const INFER8_KEY_REQUIRED = {'true' if is_key_required else 'false'};\n"
+
+    @app.get(CONFIG_PATH, include_in_schema=False)
+    async def console_config() -> Response:
+        return Response(config_js, media_type=_MEDIA_TYPES[".js"], headers=_NO_CACHE)
+
+    for url_path, name in PAGES.items():
+        app.add_api_route(
+            url_path,
+            lambda name=name: _static_response(name),
+            methods=["GET"],
+            include_in_schema=False,
+        )
+    for name in STATIC_FILES:
+        app.add_api_route(
+            f"/console/{name}",
+            lambda name=name: _static_response(name),
+            methods=["GET"],
+            include_in_schema=False,
+        )
+
+    @app.get(EVENTS_PATH, include_in_schema=False)
+    async def console_events() -> Response:
+        # Guarded by the API key middleware like every /v1 route: the page reads it with
+        # fetch() and an Authorization header (EventSource cannot send one).
+        return ConsoleEventStream(recorder.stream())
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        return _static_response("favicon.svg")
+
+
+class ConsoleEventStream(StreamingResponse):
+    """A server-sent-events response that closes its generator as soon as the viewer leaves."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.content = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream_task = asyncio.ensure_future(self.stream_response(send))
+        watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream_task, watch_task):
+                task.cancel()
+            await asyncio.gather(stream_task, watch_task, return_exceptions=True)
+            # Unregisters the viewer now, not whenever the generator is collected.
+            await self.content.aclose()  # type: ignore[attr-defined]
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,196 @@
+"""What the engine view shows, as plain JSON-ready data: engine info, KV block map, metric figures."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from infer8.request import RequestStatus
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from infer8.engine import LLMEngine
+
+# Cell values of the KV block map; request owners take CELL_FIRST_OWNER.. (a colour slot each).
+CELL_FREE = 0
+CELL_CACHED = 1  # free, but holds a reusable prefix (prefix cache)
+CELL_SHARED = 2  # held by more than one request (a shared cached prefix)
+CELL_FIRST_OWNER = 3
+NUM_OWNER_SLOTS = 256 - CELL_FIRST_OWNER
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+def engine_info(engine: LLMEngine) -> dict[str, Any]:
+    """Return what the view shows once: model, cache dtype and capacity, batch limits."""
+    spec, cache = engine.kv_spec, engine.cache_config
+    capacity_tokens = engine.num_blocks * cache.block_size
+    memory_bytes = engine.num_blocks * spec.bytes_per_block
+    bf16_spec = dataclasses.replace(spec, dtype=torch.bfloat16)
+    model = engine.model_config
+    return {
+        "model": model.served_model_name or model.model,
+        "kv_cache_dtype": str(spec.dtype).removeprefix("torch."),
+        "is_fp8": spec.is_fp8,
+        "kv_scale": engine.kv_scale_source,
+        "block_size": cache.block_size,
+        "num_blocks": engine.num_blocks,
+        "kv_cache_memory_bytes": memory_bytes,
+        "capacity_tokens": capacity_tokens,
+        # The same memory as a bf16 cache, so the view can show what FP8 buys.
+        "bf16_capacity_tokens": bf16_spec.num_blocks_for(memory_bytes) * cache.block_size,
+        "num_layers": spec.num_layers,
+        "max_num_seqs": engine.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": engine.scheduler_config.max_num_batched_tokens,
+        "max_model_len": engine.max_model_len,
+        "enable_prefix_caching": engine.kv_cache_manager.enable_caching,
+    }
+
+
+class OwnerSlots:
+    """Owns the colour slot of each request in the map, stable for the request's life."""
+
+    def __init__(self) -> None:
+        self.req_id_to_slot: dict[str, int] = {}
+        self._next = 0
+
+    def slot(self, req_id: str) -> int:
+        """Return the request's slot, giving it the next one on first sight."""
+        slot = self.req_id_to_slot.get(req_id)
+        if slot is None:
+            slot = self.req_id_to_slot[req_id] = self._next
+            self._next = (self._next + 1) % NUM_OWNER_SLOTS
+        return slot
+
+    def keep_only(self, req_ids: set[str]) -> None:
+        """Forget requests that hold no blocks any more."""
+        for req_id in [r for r in self.req_id_to_slot if r not in req_ids]:
+            del self.req_id_to_slot[req_id]
+
+
+def kv_state(engine: LLMEngine, slots: OwnerSlots) -> dict[str, Any]:
+    """Return the block map (base64, one byte per block) and the requests holding blocks.
+
+    Reads the block tables with C-level copies, so a read from outside the engine thread
+    sees at worst a map one step old (it never raises on a table changing size).
+    """
+    kv = engine.kv_cache_manager
+    pool = kv.block_pool
+    req_to_block_ids = dict(kv.req_to_block_ids)
+    cached = list(pool.cached_block_hash_to_block.values())
+    cells = np.zeros(pool.num_blocks, dtype=np.uint8)  # [num_blocks]
+    if cached:
+        cells[cached] = CELL_CACHED
+    held: list[int] = []
+    reqs = []
+    requests = engine.scheduler.requests
+    for req_id, block_ids in req_to_block_ids.items():
+        if not block_ids:
+            continue
+        slot = slots.slot(req_id)
+        block_ids = list(block_ids)
+        cells[block_ids] = CELL_FIRST_OWNER + slot
+        held.extend(block_ids)
+        request = requests.get(req_id)
+        num_prompt = request.num_prompt_tokens if request is not None else 0
+        num_output = request.num_tokens - num_prompt if request is not None else 0
+        reqs.append([slot, req_id, num_prompt, num_output, len(block_ids)])
+    if held:
+        counts = np.bincount(np.asarray(held, dtype=np.int64), minlength=pool.num_blocks)
+        cells[counts > 1] = CELL_SHARED
+    slots.keep_only(set(req_to_block_ids))
+    return {
+        "kv": base64.b64encode(cells.tobytes()).decode("ascii"),
+        "kv_used": pool.num_used_blocks,
+        "kv_cached": len(cached),
+        "reqs": reqs,
+    }
+
+
+def num_preempted(engine: LLMEngine) -> int:
+    """Return how many waiting requests were preempted (they will recompute)."""
+    waiting = list(engine.scheduler.waiting)
+    return sum(1 for r in waiting if r.status == RequestStatus.PREEMPTED)
+
+
+def decode_token_count(engine: LLMEngine, scheduled_req_ids: list[str]) -> int:
+    """Return how many of a step's scheduled requests decoded (computed an output token).
+
+    A request the step finished is gone from the scheduler; it counts as decoding.
+    """
+    requests = engine.scheduler.requests
+    num = 0
+    for req_id in scheduled_req_ids:
+        request = requests.get(req_id)
+        if request is None or request.num_computed_tokens > request.num_prompt_tokens:
+            num += 1
+    return num
+
+
+# -- figures from /metrics ---------------------------------------------------------------------
+def histogram_quantile(
+    q: float, upper_bounds: list[float], cumulative: list[float]
+) -> float | None:
+    """Return the q-quantile of a Prometheus histogram as histogram_quantile() computes it.
+
+    Linear interpolation inside the bucket holding the rank; a rank in the +Inf bucket
+    answers the highest finite bound. None if the histogram is empty.
+    """
+    if not cumulative or cumulative[-1] <= 0:
+        return None
+    rank = q * cumulative[-1]
+    lower, below = 0.0, 0.0
+    for bound, count in zip(upper_bounds, cumulative):
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            if count == below:
+                return bound
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
+def metric_figures(registry: CollectorRegistry) -> dict[str, Any]:
+    """Return the view's figures from the server's Prometheus registry (what /metrics says)."""
+    buckets: dict[str, list[tuple[float, float]]] = {}
+    values: dict[str, float] = {}
+    finished: dict[str, float] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                le = float(sample.labels["le"])
+                buckets.setdefault(sample.name, []).append((le, sample.value))
+            elif sample.name == "vllm:request_success_total":
+                finished[sample.labels["finished_reason"]] = sample.value
+            else:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+
+    def quantiles(name: str) -> list[float | None]:
+        pairs = sorted(buckets.get(f"{name}_bucket", []))
+        bounds, counts = [b for b, _ in pairs], [c for _, c in pairs]
+        return [histogram_quantile(q, bounds, counts) for q in QUANTILES]
+
+    queries = values.get("vllm:prefix_cache_queries_total", 0.0)
+    hits = values.get("vllm:prefix_cache_hits_total", 0.0)
+    return {
+        "quantiles": list(QUANTILES),
+        "ttft_s": quantiles("vllm:time_to_first_token_seconds"),
+        "tpot_s": quantiles("vllm:inter_token_latency_seconds"),
+        "e2e_s": quantiles("vllm:e2e_request_latency_seconds"),
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else None,
+        "fp8_saturated": values.get("infer8:kv_cache_fp8_saturated_total", 0.0),
+        "num_preemptions": values.get("vllm:num_preemptions_total", 0.0),
+        "generation_tokens": values.get("vllm:generation_tokens_total", 0.0),
+        "prompt_tokens": values.get("vllm:prompt_tokens_total", 0.0),
+        "finished": finished,
+        "running": values.get("vllm:num_requests_running", 0.0),
+        "waiting": values.get("vllm:num_requests_waiting", 0.0),
+    }
