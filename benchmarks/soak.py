@@ -155,8 +155,8 @@ def main() -> None:
                 }
             )
             print(json.dumps(samples[-1]), flush=True)
-            if time.monotonic() > next_burst:
-                burst(url, counts)
+            if time.monotonic() > next_burst:  # in its own thread: sampling goes on meanwhile
+                threading.Thread(target=burst, args=(url, counts), daemon=True).start()
                 next_burst += 60
         stop.set()
         for t in clients:

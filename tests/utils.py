@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -191,3 +192,25 @@ def stop_server(running: RunningServer) -> None:
     """Ask the server to exit and wait for its thread."""
     running.server.should_exit = True
     running.thread.join(20)
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen[str], url: str, timeout_s: float = 120.0) -> None:
+    """Wait until a server subprocess answers /health with 200 (fail with its output if it dies)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert time.monotonic() < deadline, "server did not come up"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)

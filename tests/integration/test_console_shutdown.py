@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.utils import wait_healthy
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -39,15 +41,7 @@ def test_sigterm_ends_open_console_streams_instead_of_waiting_out_the_grace_peri
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(proc, url, timeout_s=60)
         with httpx.stream("GET", f"{url}/console/api/events", timeout=30) as response:
             lines = response.iter_lines()
             assert next(lines) == "event: info"

@@ -19,17 +19,11 @@ import pytest
 
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
-from tests.utils import build_tiny_model
+from tests.utils import build_tiny_model, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -37,18 +31,6 @@ def _serve(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Pop
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or os.environ
     )
-
-
-def _wait_healthy(proc: subprocess.Popen[str], url: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        assert time.monotonic() < deadline, "server did not come up"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.2)
 
 
 def _stop(proc: subprocess.Popen[str]) -> str:
@@ -81,11 +63,11 @@ def test_readme_python_snippet_prints_a_sensible_answer() -> None:
 
 @pytest.fixture(scope="module")
 def default_server() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     proc = _serve(["--port", str(port), "--host", "127.0.0.1", "--max-num-seqs", "8"])
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url)
+        wait_healthy(proc, url)
         yield url
     finally:
         _stop(proc)
@@ -171,12 +153,12 @@ def test_fp8_kv_cache_serves_without_a_compiler(tiny_dir: Path, tmp_path: Path) 
         INFER8_CACHE=str(tmp_path / "cache"),  # no native kernel built earlier
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),  # no compiled kernel cached
     )
-    port = _free_port()
+    port = free_port()
     argv = [str(tiny_dir), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8", "--port", str(port)]
     proc = _serve([*argv, "--host", "127.0.0.1", "--kv-cache-memory-bytes", str(8 << 20)], env)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url)
+        wait_healthy(proc, url)
         for _ in range(2):
             body = {"prompt": "hello there", "max_tokens": 8, "ignore_eos": True}
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)

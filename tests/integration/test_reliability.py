@@ -20,7 +20,14 @@ from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
 from infer8.entrypoints.openai.cli_args import ServerConfig
 from infer8.sampling_params import SamplingParams
-from tests.utils import RunningServer, build_tiny_model, start_server, stop_server
+from tests.utils import (
+    RunningServer,
+    build_tiny_model,
+    free_port,
+    start_server,
+    stop_server,
+    wait_healthy,
+)
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -277,16 +284,13 @@ def test_sigterm_ends_long_streams_with_a_final_event_and_exits_0(
 ) -> None:
     import os
     import signal
-    import socket
     import subprocess
     import sys
 
     long_dir = build_tiny_model(
         tmp_path_factory.mktemp("long"), "llama", max_position_embeddings=16384
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = [sys.executable, "-m", "infer8.entrypoints.openai.api_server", f"--model={long_dir}"]
     argv += ["--dtype=float32", "--kv-cache-memory-bytes=67108864", f"--port={port}"]
     argv += ["--shutdown-grace-period-s=2", "--host=127.0.0.1"]
@@ -295,15 +299,7 @@ def test_sigterm_ends_long_streams_with_a_final_event_and_exits_0(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(proc, url, timeout_s=60)
         body = {"prompt": "Hello", "max_tokens": 16000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}{CMPL}", json=body, timeout=60) as r:
             lines = r.iter_lines()

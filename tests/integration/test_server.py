@@ -21,7 +21,7 @@ import pytest
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
 from infer8.entrypoints.openai.cli_args import ServerConfig
-from tests.utils import RunningServer, build_tiny_model, start_server, stop_server
+from tests.utils import RunningServer, build_tiny_model, start_server, stop_server, wait_healthy
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"
@@ -638,15 +638,7 @@ def test_seed_command_line_serves_and_sigterm_drains_in_flight(llama_dir: Path) 
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(proc, url, timeout_s=60)
         metrics = httpx.get(f"{url}/metrics").text
         assert 'cache_dtype="fp8_e4m3"' in metrics
         body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}

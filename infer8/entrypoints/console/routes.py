@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import FileResponse, Response
 
 from infer8.entrypoints.console.recorder import StepRecorder
+from infer8.entrypoints.sse import SSEResponse
 
 STATIC_DIR = Path(__file__).parent / "static"
 PAGES = {"/": "chat.html", "/engine": "engine.html"}
@@ -81,27 +80,10 @@ def add_console_routes(app: FastAPI, recorder: StepRecorder, is_key_required: bo
         return _static_response("favicon.svg")
 
 
-class ConsoleEventStream(StreamingResponse):
+class ConsoleEventStream(SSEResponse):
     """A server-sent-events response that closes its generator as soon as the viewer leaves."""
 
     def __init__(self, content: AsyncIterator[str]) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self.content = content
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream_task = asyncio.ensure_future(self.stream_response(send))
-        watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
-        try:
-            await asyncio.wait({stream_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (stream_task, watch_task):
-                task.cancel()
-            await asyncio.gather(stream_task, watch_task, return_exceptions=True)
-            # Unregisters the viewer now, not whenever the generator is collected.
-            await self.content.aclose()  # type: ignore[attr-defined]
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    # SSEResponse.on_close closes the generator, which unregisters the viewer at once.

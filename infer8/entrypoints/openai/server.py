@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -45,6 +45,7 @@ from infer8.entrypoints.openai.protocol import (
 )
 from infer8.entrypoints.openai.serving import OpenAIServing
 from infer8.entrypoints.openai.vllm_compat import parse_json_list
+from infer8.entrypoints.sse import SSEResponse, wait_for_disconnect
 from infer8.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -284,15 +285,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 # -- client disconnects ------------------------------------------------------------------------
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Run work until done, or cancel it when the client goes away (then return None)."""
     work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    watch_task = asyncio.ensure_future(wait_for_disconnect(request.receive))
     try:
         await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -311,28 +307,16 @@ def _json_or_gone(result: Any) -> Response:
     return JSONResponse(result.model_dump())
 
 
-class EventStreamResponse(StreamingResponse):
+class EventStreamResponse(SSEResponse):
     """A server-sent-events response that aborts its requests when it ends or the client leaves."""
 
     def __init__(self, content: AsyncIterator[str], group: RequestGroup) -> None:
-        super().__init__(content, media_type="text/event-stream")
+        super().__init__(content)
         self.group = group
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream_task = asyncio.ensure_future(self.stream_response(send))
-        watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
-        try:
-            await asyncio.wait({stream_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (stream_task, watch_task):
-                task.cancel()
-            await asyncio.gather(stream_task, watch_task, return_exceptions=True)
-            self.group.abort()
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-        if not stream_task.cancelled() and stream_task.exception() is not None:
-            error = stream_task.exception()
-            if not isinstance(error, OSError):  # OSError: the client went away mid-send
-                raise error  # type: ignore[misc]
+    async def on_close(self) -> None:
+        self.group.abort()
+        await super().on_close()
 
 
 # -- guards ------------------------------------------------------------------------------------
