@@ -11,6 +11,7 @@ from typing import Any
 
 from infer8.config import EngineArgs
 from infer8.entrypoints.cli import add_engine_args, engine_args_from
+from infer8.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -27,6 +28,9 @@ class ServerConfig:
     max_request_body_bytes: int = 16 << 20
     shutdown_grace_period_s: float = 25.0
     uvicorn_log_level: str = "info"
+    # Tool calling (vLLM's flags): "auto" tool choice parses the model's calls with this parser.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -43,6 +47,13 @@ class ServerConfig:
             raise ValueError(
                 f"shutdown_grace_period_s must be >= 0, got {self.shutdown_grace_period_s}"
             )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(
                 f"uvicorn_log_level must be one of {UVICORN_LOG_LEVELS}, "
@@ -50,7 +61,10 @@ class ServerConfig:
             )
 
 
-_SERVER_CHOICES: dict[str, list[str]] = {"uvicorn_log_level": UVICORN_LOG_LEVELS}
+_SERVER_CHOICES: dict[str, list[str]] = {
+    "uvicorn_log_level": UVICORN_LOG_LEVELS,
+    "tool_call_parser": list(TOOL_CALL_PARSERS),
+}
 _SERVER_HELP: dict[str, str] = {
     "host": "address to bind",
     "port": "port to bind (0: any free port)",
@@ -59,6 +73,8 @@ _SERVER_HELP: dict[str, str] = {
     "max_request_body_bytes": "larger request bodies are refused with 413",
     "shutdown_grace_period_s": "on SIGTERM, how long in-flight requests may run before abort",
     "uvicorn_log_level": "log level of the HTTP server",
+    "enable_auto_tool_choice": 'let the model choose to call tools (tool_choice "auto")',
+    "tool_call_parser": "how to read the model's tool calls: hermes or llama3_json",
 }
 
 
@@ -75,6 +91,13 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     defaults = ServerConfig()
     for f in dataclasses.fields(ServerConfig):
         default = getattr(defaults, f.name)
+        if _field_type(ServerConfig, f.name) is bool:
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"),
+                action="store_true",
+                help=f"{_SERVER_HELP[f.name]} (default: off)",
+            )
+            continue
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             type=_field_type(ServerConfig, f.name),

@@ -52,7 +52,8 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     model_name = model_config.served_model_name or model_config.model
     metrics = EngineMetrics(model_name, engine.cache_config, engine.num_blocks)
     engine_client = AsyncLLMEngine(engine, metrics, config.max_waiting_requests)
-    serving = OpenAIServing(engine_client, model_name)
+    tool_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
+    serving = OpenAIServing(engine_client, model_name, tool_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,6 +90,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        await serving.precompile(body)  # grammars compile in a thread: 400 if invalid
         sub = serving.submit_completion(body)
         if body.stream:
             return EventStreamResponse(serving.stream_completion(body, sub), sub.group)
@@ -100,6 +102,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        await serving.precompile(body)
         sub = serving.submit_chat(body)
         if body.stream:
             return EventStreamResponse(serving.stream_chat(body, sub), sub.group)
