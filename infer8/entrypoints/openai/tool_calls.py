@@ -149,10 +149,9 @@ class ToolContext:
             assert self.named is not None
             return None, [_make_call(self.named, text.strip())]
         if self.mode == "required":
-            try:
-                return None, _parse_call_objects(json.loads(text))
-            except ValueError:  # cut short (max_tokens): no complete call to report
-                return text, []
+            # Every complete element of the array, also when max_tokens cut the array short.
+            calls = _parse_call_objects(_complete_array_items(text, 0)[0])
+            return (None, calls) if calls else (text, [])
         content, calls = _PARSERS[self.parser](text)
         if not self.parallel:
             calls = calls[:1]
@@ -162,19 +161,54 @@ class ToolContext:
         self, conversation: list[dict[str, Any]], chat_template: str | None
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Return the conversation and template kwargs that show the model its tools."""
-        specs = [{"type": "function", "function": t} for t in self.tools]
-        if chat_template and "tools" in chat_template:
-            return conversation, {"tools": specs}
-        text = _tool_prompt(self.tools, self.parser)
-        if conversation and conversation[0].get("role") == "system":
-            first = dict(conversation[0])
-            first["content"] = f"{first.get('content') or ''}\n\n{text}".strip()
-            return [first, *conversation[1:]], {}
-        return [{"role": "system", "content": text}, *conversation], {}
+        return render_tools(conversation, chat_template, self.tools, self.parser)
 
     def streamer(self) -> ToolCallStreamer:
         """Return a per-choice converter of text deltas into content and tool-call deltas."""
         return ToolCallStreamer(self)
+
+
+def render_tools(
+    conversation: list[dict[str, Any]],
+    chat_template: str | None,
+    functions: list[dict[str, Any]],
+    parser: str = "hermes",
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Return the conversation and template kwargs that show the model its tools.
+
+    A template that renders tools gets them as `tools`; for one that does not, a Hermes-style
+    (or Llama 3 JSON) tool description is added to the system message.
+    """
+    if chat_template and "tools" in chat_template:
+        return conversation, {"tools": [{"type": "function", "function": f} for f in functions]}
+    text = _tool_prompt(functions, parser)
+    if conversation and conversation[0].get("role") == "system":
+        first = dict(conversation[0])
+        first["content"] = f"{first.get('content') or ''}\n\n{text}".strip()
+        return [first, *conversation[1:]], {}
+    return [{"role": "system", "content": text}, *conversation], {}
+
+
+def tool_functions(tools: list[Any]) -> list[dict[str, Any]]:
+    """Return the function objects of OpenAI tools; APIError 400 if one is malformed."""
+    functions = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+        ):
+            raise APIError(
+                400,
+                'each tool must be {"type": "function", "function": {"name": ..., ...}}',
+                param="tools",
+            )
+        if "parameters" in function and not isinstance(function["parameters"], dict):
+            raise APIError(400, "a tool's parameters must be a JSON schema object", param="tools")
+        functions.append(function)
+    return functions
 
 
 def template_messages(
@@ -237,23 +271,7 @@ def resolve_tools(
         if tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return None
-    functions = []
-    for tool in tools:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type") != "function"
-            or not isinstance(function, dict)
-            or not isinstance(function.get("name"), str)
-        ):
-            raise APIError(
-                400,
-                'each tool must be {"type": "function", "function": {"name": ..., ...}}',
-                param="tools",
-            )
-        if "parameters" in function and not isinstance(function["parameters"], dict):
-            raise APIError(400, "a tool's parameters must be a JSON schema object", param="tools")
-        functions.append(function)
+    functions = tool_functions(tools)
     names = [f["name"] for f in functions]
     parallel = parallel_tool_calls is not False
     parser = auto_parser or "hermes"
