@@ -190,7 +190,9 @@ class StructuredOutputManager:
             return False
         for token_id in token_ids:
             if not matcher.accept_token(token_id):
-                logger.warning("request %s: token %d violates its grammar; stopping", req_id, token_id)
+                logger.warning(
+                    "request %s: token %d violates its grammar; stopping", req_id, token_id
+                )
                 return True
             if matcher.is_terminated():
                 return True

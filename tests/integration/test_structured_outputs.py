@@ -35,7 +35,9 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33]]
 
 
 def _llm(model_dir: Path, **kwargs: object) -> LLM:
-    args: dict[str, object] = dict(dtype="float32", kv_cache_memory_bytes=1 << 22, max_model_len=512)
+    args: dict[str, object] = dict(
+        dtype="float32", kv_cache_memory_bytes=1 << 22, max_model_len=512
+    )
     args.update(kwargs)
     return LLM(str(model_dir), **args)
 
@@ -48,9 +50,7 @@ def test_json_schema_outputs_parse_and_validate(
     constrained = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=150, structured_outputs=JSON_PARAMS)
         for i in range(8)
-    ] + [
-        SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=JSON_PARAMS)
-    ]
+    ] + [SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=JSON_PARAMS)]
     free = SamplingParams(temperature=0.0, max_tokens=12)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(constrained))] + PROMPTS
     outs = llm.generate(prompts, constrained + [free] * len(PROMPTS), use_tqdm=False)
@@ -76,7 +76,10 @@ def test_regex_choice_grammar_and_json_object(llama_dir: Path) -> None:
     cases = [
         (StructuredOutputsParams(regex=regex), lambda t: re.fullmatch(regex, t)),
         (StructuredOutputsParams(choice=choices), lambda t: t in choices),
-        (StructuredOutputsParams(grammar=grammar), lambda t: re.fullmatch(r"\((a|bb|\d)(,(a|bb|\d))*\)", t)),
+        (
+            StructuredOutputsParams(grammar=grammar),
+            lambda t: re.fullmatch(r"\((a|bb|\d)(,(a|bb|\d))*\)", t),
+        ),
     ]
     for so, check in cases:
         params = [

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -140,7 +139,9 @@ def test_invalid_constraints_are_400_with_the_parser_message(server: RunningServ
         )
     with pytest.raises(openai.BadRequestError, match="exactly one"):
         client.completions.create(
-            model=MODEL, prompt="x", extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}
+            model=MODEL,
+            prompt="x",
+            extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}},
         )
     server.wait_idle()
 
@@ -209,7 +210,10 @@ def test_auto_choice_and_tool_messages_in_the_conversation(server: RunningServer
                 {
                     "id": "call_1",
                     "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "c"}',
+                    },
                 }
             ],
         },

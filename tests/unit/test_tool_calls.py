@@ -133,7 +133,9 @@ def test_response_format_mapping() -> None:
         json_object=True
     )
     schema = {"type": "object"}
-    so = request_constraint({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, None)
+    so = request_constraint(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, None
+    )
     assert so is not None and so.json == schema
     assert request_constraint(None, {"regex": "[ab]+"}) == StructuredOutputsParams(regex="[ab]+")
     for response_format, extra in (

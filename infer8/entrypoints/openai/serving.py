@@ -167,7 +167,9 @@ class OpenAIServing:
         return request_id, group
 
     # -- structured outputs and tools -------------------------------------------------------
-    def _tool_context(self, request: CompletionRequest | ChatCompletionRequest) -> ToolContext | None:
+    def _tool_context(
+        self, request: CompletionRequest | ChatCompletionRequest
+    ) -> ToolContext | None:
         if not isinstance(request, ChatCompletionRequest):
             return None
         return resolve_tools(

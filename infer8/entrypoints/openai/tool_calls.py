@@ -300,7 +300,9 @@ def resolve_tools(
             param="tool_choice",
         )
     if named not in names:
-        raise APIError(400, f"tool_choice names {named!r}, which is not in tools", param="tool_choice")
+        raise APIError(
+            400, f"tool_choice names {named!r}, which is not in tools", param="tool_choice"
+        )
     return ToolContext(functions, "named", named, parallel, parser)
 
 
@@ -336,7 +338,9 @@ class ToolCallStreamer:
                     function=DeltaFunctionCall(name=self.ctx.named, arguments=delta),
                 )
             ]
-        return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))] if delta else []
+        return (
+            [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))] if delta else []
+        )
 
     def _emit(self, calls: list[ToolCall]) -> list[DeltaToolCall]:
         out = []
