@@ -28,13 +28,16 @@ _ERROR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 
 
 @dataclass
-class CompileStats:
-    """Counters of the compiled-grammar cache."""
+class StructuredOutputStats:
+    """Counters of the compiled-grammar cache and of the per-step masking work."""
 
     num_compiles: int = 0
     num_cache_hits: int = 0
     num_errors: int = 0
     compile_time_s: float = 0.0
+    num_masked_rows: int = 0  # constrained rows masked, summed over steps
+    mask_time_s: float = 0.0  # filling and applying bitmasks
+    accept_time_s: float = 0.0  # advancing matchers
 
 
 def grammar_error_message(error: BaseException) -> str:
@@ -59,7 +62,7 @@ class StructuredOutputManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_cached = max_cached
-        self.stats = CompileStats()
+        self.stats = StructuredOutputStats()
         self._lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
         self._batch_matcher: xgr.BatchGrammarMatcher | None = None
@@ -170,6 +173,7 @@ class StructuredOutputManager:
             return
         import xgrammar as xgr
 
+        t0 = time.perf_counter()
         if self._batch_matcher is None:
             self._batch_matcher = xgr.BatchGrammarMatcher()
         bitmask = self._bitmask_rows(len(req_ids))
@@ -178,6 +182,8 @@ class StructuredOutputManager:
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+        self.stats.num_masked_rows += len(rows)
+        self.stats.mask_time_s += time.perf_counter() - t0
 
     def accept_tokens(self, req_id: str, token_ids: list[int]) -> bool:
         """Advance a request's matcher; return True when its grammar has ended the request.
@@ -188,12 +194,16 @@ class StructuredOutputManager:
         matcher = self._matchers.get(req_id)
         if matcher is None:
             return False
-        for token_id in token_ids:
-            if not matcher.accept_token(token_id):
-                logger.warning(
-                    "request %s: token %d violates its grammar; stopping", req_id, token_id
-                )
-                return True
-            if matcher.is_terminated():
-                return True
-        return False
+        t0 = time.perf_counter()
+        try:
+            for token_id in token_ids:
+                if not matcher.accept_token(token_id):
+                    logger.warning(
+                        "request %s: token %d violates its grammar; stopping", req_id, token_id
+                    )
+                    return True
+                if matcher.is_terminated():
+                    return True
+            return False
+        finally:
+            self.stats.accept_time_s += time.perf_counter() - t0

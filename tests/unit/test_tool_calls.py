@@ -8,14 +8,9 @@ import pytest
 
 from infer8.entrypoints.openai.cli_args import ServerConfig, make_serve_parser, serve_args_from
 from infer8.entrypoints.openai.protocol import APIError, DeltaToolCall
-from infer8.entrypoints.openai.structured import request_constraint
-from infer8.entrypoints.openai.tool_calls import (
-    ToolContext,
-    parse_hermes,
-    parse_llama3_json,
-    resolve_tools,
-    template_messages,
-)
+from infer8.entrypoints.openai.structured import constraint_of
+from infer8.entrypoints.openai.tool_calls import ToolContext, resolve_tools, template_messages
+from infer8.entrypoints.openai.tool_parsers import parse_hermes, parse_llama3_json
 from infer8.structured_output.params import StructuredOutputsParams
 
 FUNCS = [
@@ -128,16 +123,14 @@ def test_tool_choice_validation() -> None:
 
 
 def test_response_format_mapping() -> None:
-    assert request_constraint({"type": "text"}, None) is None
-    assert request_constraint({"type": "json_object"}, None) == StructuredOutputsParams(
-        json_object=True
-    )
+    assert constraint_of({"type": "text"}, None) is None
+    assert constraint_of({"type": "json_object"}, None) == StructuredOutputsParams(json_object=True)
     schema = {"type": "object"}
-    so = request_constraint(
+    so = constraint_of(
         {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, None
     )
     assert so is not None and so.json == schema
-    assert request_constraint(None, {"regex": "[ab]+"}) == StructuredOutputsParams(regex="[ab]+")
+    assert constraint_of(None, {"regex": "[ab]+"}) == StructuredOutputsParams(regex="[ab]+")
     for response_format, extra in (
         ({"type": "json_schema", "json_schema": {"name": "x"}}, None),
         ({"type": "xml"}, None),
@@ -146,7 +139,7 @@ def test_response_format_mapping() -> None:
         ({"type": "json_object"}, {"regex": "a"}),
     ):
         with pytest.raises(APIError):
-            request_constraint(response_format, extra)
+            constraint_of(response_format, extra)
     # The cache key is canonical: key order in a schema does not matter.
     a = StructuredOutputsParams(json={"type": "object", "required": ["a"]})
     b = StructuredOutputsParams(json='{"required": ["a"], "type": "object"}')

@@ -11,7 +11,7 @@ from typing import Any
 
 from infer8.config import EngineArgs
 from infer8.entrypoints.cli import add_engine_args, engine_args_from
-from infer8.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from infer8.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 

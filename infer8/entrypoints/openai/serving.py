@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,11 +34,10 @@ from infer8.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from infer8.entrypoints.openai.structured import request_constraint
+from infer8.entrypoints.openai.structured import compile_or_400, request_constraint
 from infer8.entrypoints.openai.tool_calls import ToolContext, resolve_tools, template_messages
 from infer8.outputs import CompletionOutput, Logprobs, RequestOutput
 from infer8.sampling_params import SamplingParams
-from infer8.structured_output.params import StructuredOutputsParams
 
 # One API request may fan out into at most this many engine requests (prompts x n).
 MAX_ENGINE_REQUESTS_PER_API_REQUEST = 1024
@@ -176,33 +174,11 @@ class OpenAIServing:
             request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_call_parser
         )
 
-    def constraint(
-        self, request: CompletionRequest | ChatCompletionRequest, tools: ToolContext | None
-    ) -> StructuredOutputsParams | None:
-        """Return the grammar a request's output must follow (response_format, extras, tools)."""
-        constraint = request_constraint(request.response_format, request.structured_outputs)
-        forced = tools.constraint() if tools is not None else None
-        if constraint is not None and forced is not None:
-            raise APIError(
-                400,
-                "a required or named tool_choice cannot be combined with response_format or "
-                "structured_outputs",
-                param="tool_choice",
-            )
-        return constraint if constraint is not None else forced
-
     async def precompile(self, request: CompletionRequest | ChatCompletionRequest) -> None:
         """Compile a request's grammar off the event loop and the engine thread; 400 if invalid."""
-        constraint = self.constraint(request, self._tool_context(request))
-        if constraint is None:
-            return
-        try:
-            await asyncio.to_thread(self.structured_output.compile, constraint)
-        except ValueError as e:
-            param = "response_format" if request.response_format else "structured_outputs"
-            if isinstance(request, ChatCompletionRequest) and request.tools:
-                param = "tools"
-            raise APIError(400, str(e), param=param) from None
+        constraint = request_constraint(request, self._tool_context(request))
+        if constraint is not None:
+            await compile_or_400(self.structured_output, constraint, request)
 
     # -- completions ------------------------------------------------------------------------
     def submit_completion(self, request: CompletionRequest) -> Submission:
@@ -222,7 +198,7 @@ class OpenAIServing:
             token_lists, texts = [list(prompt)], [None]  # type: ignore[arg-type]
         n = request.n or 1
         self._check_fan_out(len(token_lists) * n)
-        constraint = self.constraint(request, None)
+        constraint = request_constraint(request, None)
         prompts, params, echo_texts = [], [], []
         for text, token_ids in zip(texts, token_lists):
             self.check_token_ids(token_ids, "prompt")
@@ -374,7 +350,7 @@ class OpenAIServing:
         """Validate, apply the chat template and submit a chat completion request."""
         self.check_model(request.model)
         tools = self._tool_context(request)
-        constraint = self.constraint(request, tools)
+        constraint = request_constraint(request, tools)
         token_ids = self.chat_prompt(
             request.messages,
             request.add_generation_prompt is not False,

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import TYPE_CHECKING, Any
 
-from infer8.entrypoints.openai.protocol import APIError
+from infer8.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from infer8.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from infer8.entrypoints.openai.tool_calls import ToolContext
+    from infer8.structured_output.manager import StructuredOutputManager
 
 _STRUCTURED_OUTPUTS_FIELDS = {
     "json",
@@ -65,10 +70,10 @@ def _params(fields: dict[str, Any], param: str) -> StructuredOutputsParams:
         raise APIError(400, str(e), param=param) from None
 
 
-def request_constraint(
+def constraint_of(
     response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
 ) -> StructuredOutputsParams | None:
-    """Return the one constraint a request asks for; 400 if it asks for two."""
+    """Return the one constraint response_format / structured_outputs ask for; 400 for two."""
     from_format = from_response_format(response_format)
     from_extra = from_structured_outputs(structured_outputs)
     if from_format is not None and from_extra is not None:
@@ -78,3 +83,34 @@ def request_constraint(
             param="structured_outputs",
         )
     return from_format if from_format is not None else from_extra
+
+
+def request_constraint(
+    request: CompletionRequest | ChatCompletionRequest, tools: ToolContext | None
+) -> StructuredOutputsParams | None:
+    """Return the grammar a request's output must follow (response_format, extras, tools)."""
+    constraint = constraint_of(request.response_format, request.structured_outputs)
+    forced = tools.constraint() if tools is not None else None
+    if constraint is not None and forced is not None:
+        raise APIError(
+            400,
+            "a required or named tool_choice cannot be combined with response_format or "
+            "structured_outputs",
+            param="tool_choice",
+        )
+    return constraint if constraint is not None else forced
+
+
+async def compile_or_400(
+    manager: StructuredOutputManager,
+    constraint: StructuredOutputsParams,
+    request: CompletionRequest | ChatCompletionRequest,
+) -> None:
+    """Compile a grammar in a worker thread (cached for the engine); APIError 400 if invalid."""
+    try:
+        await asyncio.to_thread(manager.compile, constraint)
+    except ValueError as e:
+        param = "response_format" if request.response_format else "structured_outputs"
+        if isinstance(request, ChatCompletionRequest) and request.tools:
+            param = "tools"
+        raise APIError(400, str(e), param=param) from None

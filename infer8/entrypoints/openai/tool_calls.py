@@ -8,8 +8,6 @@ parses free text with a --tool-call-parser (hermes `<tool_call>` tags or Llama 3
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,72 +15,22 @@ from infer8.entrypoints.openai.protocol import (
     APIError,
     DeltaFunctionCall,
     DeltaToolCall,
-    FunctionCall,
     ToolCall,
 )
+from infer8.entrypoints.openai.tool_parsers import (
+    HERMES_END,
+    HERMES_START,
+    PARSERS,
+    PYTHON_TAG,
+    call_id,
+    complete_array_items,
+    make_call,
+    parse_call_objects,
+    parse_hermes,
+    parse_llama3_json,
+    partial_suffix,
+)
 from infer8.structured_output.params import StructuredOutputsParams
-
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_HERMES_START = "<tool_call>"
-_HERMES_END = "</tool_call>"
-_PYTHON_TAG = "<|python_tag|>"
-
-
-def _call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def _make_call(name: str, arguments: Any) -> ToolCall:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(id=_call_id(), function=FunctionCall(name=name, arguments=args))
-
-
-def _parse_call_objects(objects: list[Any]) -> list[ToolCall]:
-    """Return calls from decoded {"name", "arguments" | "parameters"} objects (others skipped)."""
-    calls = []
-    for obj in objects:
-        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-            args = obj.get("arguments", obj.get("parameters", {}))
-            calls.append(_make_call(obj["name"], args))
-    return calls
-
-
-def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Return (content before the calls, calls) of `<tool_call>{json}</tool_call>` text."""
-    objects = []
-    for body in _HERMES_CALL.findall(text):
-        try:
-            objects.append(json.loads(body))
-        except ValueError:
-            continue
-    calls = _parse_call_objects(objects)
-    if not calls:
-        return text, []
-    content = text[: text.find(_HERMES_START)].strip()
-    return content or None, calls
-
-
-def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Return (content, calls) of Llama 3 JSON calls: `{"name", "parameters"}` separated by `;`."""
-    body = text.strip().removeprefix(_PYTHON_TAG).strip()
-    if not body.startswith("{"):
-        return text, []
-    decoder = json.JSONDecoder()
-    objects, pos = [], 0
-    try:
-        while pos < len(body):
-            obj, pos = decoder.raw_decode(body, pos)
-            objects.append(obj)
-            pos += len(body[pos:]) - len(body[pos:].lstrip().lstrip(";").lstrip())
-    except ValueError:
-        if not objects:
-            return text, []
-    calls = _parse_call_objects(objects)
-    return (None, calls) if calls else (text, [])
-
-
-_PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
 
 
 def _tool_prompt(tools: list[dict[str, Any]], parser: str) -> str:
@@ -147,12 +95,12 @@ class ToolContext:
         """Return (content, tool calls) of a finished output."""
         if self.mode == "named":
             assert self.named is not None
-            return None, [_make_call(self.named, text.strip())]
+            return None, [make_call(self.named, text.strip())]
         if self.mode == "required":
             # Every complete element of the array, also when max_tokens cut the array short.
-            calls = _parse_call_objects(_complete_array_items(text, 0)[0])
+            calls = parse_call_objects(complete_array_items(text, 0)[0])
             return (None, calls) if calls else (text, [])
-        content, calls = _PARSERS[self.parser](text)
+        content, calls = PARSERS[self.parser](text)
         if not self.parallel:
             calls = calls[:1]
         return content, calls
@@ -328,7 +276,7 @@ class ToolCallStreamer:
 
     def _named(self, delta: str) -> list[DeltaToolCall]:
         if self._named_id is None:
-            self._named_id = _call_id()
+            self._named_id = call_id()
             self.num_calls = 1
             return [
                 DeltaToolCall(
@@ -362,13 +310,13 @@ class ToolCallStreamer:
 
     def _complete_calls(self, finished: bool) -> list[DeltaToolCall]:
         """Emit each element of the JSON array of calls once it is complete."""
-        objects, self._sent = _complete_array_items(self.text, self._sent)
-        return self._emit(_parse_call_objects(objects))
+        objects, self._sent = complete_array_items(self.text, self._sent)
+        return self._emit(parse_call_objects(objects))
 
     def _auto(self, finished: bool) -> tuple[str | None, list[DeltaToolCall]]:
         rest = self.text[self._sent :]
         if self.ctx.parser == "llama3_json":
-            if self._sent == 0 and rest.lstrip().startswith(("{", _PYTHON_TAG)):
+            if self._sent == 0 and rest.lstrip().startswith(("{", PYTHON_TAG)):
                 self._in_calls = True
             if not self._in_calls:
                 self._sent = len(self.text)
@@ -383,9 +331,9 @@ class ToolCallStreamer:
         while True:
             rest = self.text[self._sent :]
             if not self._in_calls:
-                start = rest.find(_HERMES_START)
+                start = rest.find(HERMES_START)
                 if start < 0:
-                    keep = 0 if finished else _partial_suffix(rest, _HERMES_START)
+                    keep = 0 if finished else partial_suffix(rest, HERMES_START)
                     chunk = rest[: len(rest) - keep]
                     self._sent += len(chunk)
                     content += "" if self.num_calls else chunk  # text between calls is dropped
@@ -394,50 +342,11 @@ class ToolCallStreamer:
                 self._sent += start
                 self._in_calls = True
                 continue
-            end = rest.find(_HERMES_END)
+            end = rest.find(HERMES_END)
             if end < 0:
                 break
-            block = rest[: end + len(_HERMES_END)]
+            block = rest[: end + len(HERMES_END)]
             self._sent += len(block)
             self._in_calls = False
             deltas.extend(self._emit(parse_hermes(block)[1]))
         return content or None, deltas
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Return the length of text's longest suffix that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def _complete_array_items(text: str, start: int) -> tuple[list[Any], int]:
-    """Return the top-level elements of a JSON array completed after start, and the new offset."""
-    items: list[Any] = []
-    depth, in_string, escaped, item_start = 0, False, False, None
-    pos = 0
-    for pos, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-            continue
-        if ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth == 2 and ch == "{":
-                item_start = pos
-        elif ch in "]}":
-            if depth == 2 and ch == "}" and item_start is not None and pos >= start:
-                try:
-                    items.append(json.loads(text[item_start : pos + 1]))
-                except ValueError:
-                    pass
-                start = pos + 1
-            depth -= 1
-    return items, start
