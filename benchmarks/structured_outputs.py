@@ -92,12 +92,13 @@ TOOLS: list[Any] = [
 
 
 def person_prompt(i: int) -> list[dict[str, Any]]:
-    """Return a chat asking for one JSON profile (the schema is shown, as a client would)."""
+    """Return a chat asking for one JSON profile, described in words (short prompts)."""
     job, city = JOBS[i % len(JOBS)], CITIES[(i // len(JOBS)) % len(CITIES)]
     return [
         {
             "role": "system",
-            "content": "Reply with JSON only, following this schema: " + json.dumps(PERSON),
+            "content": "Reply with one JSON object only, with keys name, age (18-99), job, "
+            "skills (a list of 1-3 strings) and address (an object with city and country).",
         },
         {"role": "user", "content": f"Invent a {job} who lives in {city}. Profile #{i}."},
     ]
@@ -113,7 +114,15 @@ def tool_prompt(i: int) -> list[dict[str, Any]]:
 def run(
     engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
 ) -> tuple[list[Any], float]:
-    """Run requests to completion; return outputs in order and the wall time."""
+    """Run requests to completion; return outputs in order and the wall time.
+
+    One 1-token request first puts the shared system prompt in the prefix cache (requests
+    admitted in the same step cannot share blocks that are not computed yet).
+    """
+    warm = engine.add_request(prompts[0], SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    del warm
     t0 = time.perf_counter()
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     done: dict[str, Any] = {}
@@ -141,16 +150,20 @@ def validity(texts: list[str], schema: dict[str, Any]) -> tuple[float, float]:
     return parsed / len(texts), valid / len(texts)
 
 
-def part_schema(engine: LLMEngine, n: int, max_tokens: int) -> dict[str, Any]:
+def part_schema(engine: LLMEngine, n: int, max_tokens: int, only: str | None) -> dict[str, Any]:
     tok = engine.tokenizer
     prompts = [tok.encode_chat(person_prompt(i)) for i in range(n)]
     so = StructuredOutputsParams(json=PERSON)
+    compact = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
     rows = {}
     for name, constraint, temperature in (
         ("unconstrained t=0", None, 0.0),
         ("json_schema t=0", so, 0.0),
         ("json_schema t=1.0", so, 1.0),
+        ("json_schema compact t=1.0", compact, 1.0),
     ):
+        if only and only not in name:
+            continue
         params = [
             SamplingParams(
                 temperature=temperature,
@@ -161,6 +174,7 @@ def part_schema(engine: LLMEngine, n: int, max_tokens: int) -> dict[str, Any]:
             for i in range(n)
         ]
         outs, elapsed = run(engine, prompts, params)
+        print(f"{name}: {elapsed:.1f} s", file=sys.stderr, flush=True)
         parsed, valid = validity([o.text for o in outs], PERSON)
         rows[name] = {
             "parse_rate": parsed,
@@ -173,46 +187,52 @@ def part_schema(engine: LLMEngine, n: int, max_tokens: int) -> dict[str, Any]:
     return rows
 
 
-def part_tools(engine: LLMEngine, n: int, max_tokens: int) -> dict[str, Any]:
+def part_tools(engine: LLMEngine, n: int, max_tokens: int, only: str | None) -> dict[str, Any]:
     tok = engine.tokenizer
-    ctx = resolve_tools(TOOLS, "required", True, None)
-    assert ctx is not None
-    constraint = ctx.constraint()
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    prompts = []
-    for i in range(n):
-        conv, kwargs = render_tools(tool_prompt(i), tok.chat_template, ctx.tools)
-        prompts.append(tok.encode_chat(conv, **kwargs))
     rows = {}
-    for temperature in (0.0, 1.0):
-        params = [
-            SamplingParams(
-                temperature=temperature,
-                seed=i,
-                max_tokens=max_tokens,
-                structured_outputs=constraint,
-            )
-            for i in range(n)
-        ]
-        outs, elapsed = run(engine, prompts, params)
-        ok = 0
-        for out in outs:
-            _, calls = ctx.extract(out.text)
-            try:
-                for call in calls:
-                    jsonschema.validate(
-                        json.loads(call.function.arguments), schemas[call.function.name]
-                    )
-                ok += bool(calls) and out.finish_reason == "stop"
-            except (ValueError, jsonschema.ValidationError):
-                pass
-        rows[f"tool_choice=required t={temperature}"] = {
-            "valid_rate": ok / n,
-            "num_length_capped": sum(o.finish_reason == "length" for o in outs),
-            "mean_output_tokens": sum(len(o.token_ids) for o in outs) / n,
-            "elapsed_s": elapsed,
-            "example": outs[0].text,
-        }
+    for parallel in (False, True):
+        ctx = resolve_tools(TOOLS, "required", parallel, None)
+        assert ctx is not None
+        prompts = []
+        for i in range(n):
+            conv, kwargs = render_tools(tool_prompt(i), tok.chat_template, ctx.tools)
+            prompts.append(tok.encode_chat(conv, **kwargs))
+        for temperature in (0.0, 1.0):
+            name = f"tool_choice=required parallel_tool_calls={parallel} t={temperature}"
+            if only and only not in name:
+                continue
+            params = [
+                SamplingParams(
+                    temperature=temperature,
+                    seed=i,
+                    max_tokens=max_tokens,
+                    structured_outputs=ctx.constraint(),
+                )
+                for i in range(n)
+            ]
+            outs, elapsed = run(engine, prompts, params)
+            print(f"{name}: {elapsed:.1f} s", file=sys.stderr, flush=True)
+            num_valid = num_calls = 0
+            for out in outs:
+                _, calls = ctx.extract(out.text)  # the calls the server would return
+                num_calls += len(calls)
+                try:
+                    for call in calls:
+                        args = json.loads(call.function.arguments)
+                        jsonschema.validate(args, schemas[call.function.name])
+                    num_valid += bool(calls)
+                except (ValueError, jsonschema.ValidationError):
+                    pass
+            rows[name] = {
+                "valid_rate": num_valid / n,  # >= 1 call, every call's arguments validate
+                "stop_rate": sum(o.finish_reason == "stop" for o in outs) / n,
+                "num_length_capped": sum(o.finish_reason == "length" for o in outs),
+                "mean_calls": num_calls / n,
+                "mean_output_tokens": sum(len(o.token_ids) for o in outs) / n,
+                "elapsed_s": elapsed,
+                "example": outs[0].text,
+            }
     return rows
 
 
@@ -319,13 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json", type=str, default=None)
+    parser.add_argument(
+        "--only",
+        type=str,
+        default=None,
+        help="schema / tools: only the configs whose name contains this",
+    )
     add_engine_args(parser)
     ns = parser.parse_args(argv)
     engine = LLMEngine(engine_args_from(ns))
     if ns.part == "schema":
-        result = part_schema(engine, ns.num_requests, ns.max_tokens)
+        result = part_schema(engine, ns.num_requests, ns.max_tokens, ns.only)
     elif ns.part == "tools":
-        result = part_tools(engine, ns.num_requests, ns.max_tokens)
+        result = part_tools(engine, ns.num_requests, ns.max_tokens, ns.only)
     elif ns.part == "throughput":
         result = part_throughput(engine, ns.batch, ns.max_tokens)
     else:

@@ -119,6 +119,10 @@ def test_response_format_and_structured_outputs(server: RunningServer) -> None:
         extra_body={"structured_outputs": {"choice": ["left", "right"]}},
     )
     assert choice_out.choices[0].text in ("left", "right")
+    guided = client.completions.create(  # vLLM's older spelling
+        model=MODEL, prompt="Code:", max_tokens=20, extra_body={"guided_regex": "[0-9]{4}"}
+    )
+    assert guided.choices[0].text.isdigit() and len(guided.choices[0].text) == 4
 
 
 def test_invalid_constraints_are_400_with_the_parser_message(server: RunningServer) -> None:

@@ -95,6 +95,11 @@ class _SamplingRequest(OpenAIBaseModel):
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs extra body.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's older spellings of structured_outputs' json / regex / choice / grammar
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingRequest:

@@ -89,7 +89,22 @@ def request_constraint(
     request: CompletionRequest | ChatCompletionRequest, tools: ToolContext | None
 ) -> StructuredOutputsParams | None:
     """Return the grammar a request's output must follow (response_format, extras, tools)."""
-    constraint = constraint_of(request.response_format, request.structured_outputs)
+    extra = request.structured_outputs
+    guided = {
+        name: value
+        for name, value in (
+            ("json", request.guided_json),
+            ("regex", request.guided_regex),
+            ("choice", request.guided_choice),
+            ("grammar", request.guided_grammar),
+        )
+        if value is not None
+    }
+    if guided:
+        if extra is not None:
+            raise APIError(400, "give structured_outputs or guided_*, not both", param="guided")
+        extra = guided
+    constraint = constraint_of(request.response_format, extra)
     forced = tools.constraint() if tools is not None else None
     if constraint is not None and forced is not None:
         raise APIError(
