@@ -237,20 +237,33 @@ def part_tools(engine: LLMEngine, n: int, max_tokens: int, only: str | None) -> 
 
 
 def part_throughput(engine: LLMEngine, batch: int, max_tokens: int) -> dict[str, Any]:
-    """Same batch, same prompts, greedy; constrained output is a long free-text JSON field."""
+    """Same batch, same prompts, greedy, same number of tokens per request (equal work).
+
+    The constrained requests must write a list of at least 50 person records (strings, enums,
+    integers), so none can end before max_tokens; the unconstrained ones ignore EOS.
+    """
     tok = engine.tokenizer
     story = {
-        "type": "object",
-        "properties": {"story": {"type": "string"}},
-        "required": ["story"],
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 12},
+                "job": {"enum": JOBS},
+                "age": {"type": "integer", "minimum": 18, "maximum": 99},
+            },
+            "required": ["name", "job", "age"],
+            "additionalProperties": False,
+        },
+        "minItems": 50,
     }
     prompts = [
         tok.encode_chat(
             [
                 {
                     "role": "user",
-                    "content": f"Tell a long story about a {JOBS[i % 8]} "
-                    f"in {CITIES[i % 10]}, as JSON with a story field.",
+                    "content": f"List people who work as {JOBS[i % 8]}s in "
+                    f"{CITIES[i % 10]}, as a JSON array of objects with name, job and age.",
                 }
             ]
         )
