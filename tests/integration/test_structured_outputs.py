@@ -12,6 +12,7 @@ import pytest
 from infer8.entrypoints.llm import LLM
 from infer8.sampling_params import SamplingParams
 from infer8.structured_output import StructuredOutputsParams
+from tests.utils import build_tiny_model
 
 SCHEMA = {  # short keys: a byte-level toy tokenizer spends about one token per character
     "type": "object",
@@ -173,3 +174,41 @@ def test_tokenizer_info_of_the_default_models_gguf_tokenizer() -> None:
     assert matcher.accept_token(2) and matcher.is_terminated()
     bad = xgr.GrammarMatcher(compiler.compile_builtin_json_grammar())
     assert not bad.accept_token(tok.encode("Paris", add_special_tokens=False)[0])
+
+
+def test_llm_chat_renders_tools_and_a_named_call_parses(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # The tool description is long in a toy tokenizer's tokens: a longer context is needed.
+    model_dir = build_tiny_model(
+        tmp_path_factory.mktemp("chat_tools"), "llama", max_position_embeddings=1024
+    )
+    llm = _llm(model_dir, max_model_len=1024)
+    args_schema = {
+        "type": "object",
+        "properties": {"x": {"enum": [1, 2]}},
+        "required": ["x"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "f", "parameters": args_schema}}]
+    so = StructuredOutputsParams(json=args_schema, disable_any_whitespace=True)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs=so)
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "1", "content": "done"},
+    ]
+    out = llm.chat(messages, params, use_tqdm=False, tools=tools)[0]
+    prompt = llm.get_tokenizer().decode(out.prompt_token_ids, skip_special_tokens=False)
+    # The toy ChatML template knows no tools: they are described in a system message, and the
+    # earlier call is written in Hermes form.
+    assert prompt.startswith("<|im_start|>system\n") and '"name": "f"' in prompt
+    assert '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' in prompt
+    assert "<|im_start|>tool\ndone" in prompt
+    jsonschema.validate(json.loads(out.outputs[0].text), args_schema)
