@@ -176,21 +176,17 @@ def template_messages(
             if knows_calls:
                 message["tool_calls"] = [_with_dict_arguments(c) for c in calls]
             else:
+                functions = [_with_dict_arguments(c)["function"] for c in calls]
                 rendered = "\n".join(
                     "<tool_call>\n"
-                    + json.dumps(
-                        {
-                            "name": c["function"]["name"],
-                            "arguments": _with_dict_arguments(c)["function"]["arguments"],
-                        }
-                    )
+                    + json.dumps({"name": f.get("name"), "arguments": f.get("arguments")})
                     + "\n</tool_call>"
-                    for c in calls
+                    for f in functions
                 )
                 message["content"] = f"{message.get('content') or ''}{rendered}"
                 del message["tool_calls"]
-        if message.get("content") is None:
-            message["content"] = ""
+            if message.get("content") is None:  # a call without text: empty content
+                message["content"] = ""
         out.append(message)
     return out
 
@@ -199,6 +195,8 @@ def _with_dict_arguments(call: Any) -> dict[str, Any]:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise APIError(400, "an assistant tool_calls entry needs a function", param="messages")
     function = dict(call["function"])
+    if not isinstance(function.get("name"), str):
+        raise APIError(400, "an assistant tool call needs a function name", param="messages")
     args = function.get("arguments")
     if isinstance(args, str):
         try:
