@@ -31,6 +31,7 @@ from infer8.outputs import RequestOutput, RequestState, error_output
 from infer8.quant import kv_scales
 from infer8.request import Request, RequestStatus
 from infer8.sampling_params import SamplingParams
+from infer8.structured_output.manager import StructuredOutputManager
 from infer8.tokenizer import Tokenizer
 from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from infer8.worker.memory import plan_kv_memory
@@ -165,6 +166,9 @@ class LLMEngine:
             seed=model_config.seed,
             is_driver=tp_group is None or tp_group.rank == 0,
         )
+        # Grammars compile on first use (xgrammar loads lazily); rank 0's runner masks logits.
+        self.structured_output = StructuredOutputManager(self.tokenizer, model.config.vocab_size)
+        self.runner.structured_output = self.structured_output
         if (
             model_config.device.type == "cuda"
             and not model_config.enforce_eager
@@ -222,6 +226,8 @@ class LLMEngine:
             raise RuntimeError("a tensor-parallel engine cannot be reset in-process")
         self.kv_cache_manager, self.scheduler = self._build_scheduler()
         self.runner.states.clear()
+        for req_id in self.req_states:
+            self.structured_output.remove_request(req_id)
         self.req_states.clear()
         self.last_stats = SchedulerStats(num_kv_blocks_total=self.num_blocks)
 
@@ -373,6 +379,9 @@ class LLMEngine:
                 f"prompt + max_tokens ({limit} tokens) exceeds the whole KV cache "
                 f"({self.num_blocks * self.cache_config.block_size} tokens)"
             )
+        if params.structured_outputs is not None:
+            # A cache hit when the front end compiled it already; ValueError if invalid.
+            self.structured_output.add_request(request_id, params.structured_outputs)
         self.req_states[request_id] = RequestState(request, text, self.tokenizer)
         self.scheduler.add_request(request)
         return request_id
@@ -404,6 +413,7 @@ class LLMEngine:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
         for req_id in request_ids:
             self.req_states.pop(req_id, None)
+            self.structured_output.remove_request(req_id)
 
     def is_healthy(self) -> bool:
         """Return False once a tensor-parallel worker has failed or died, even between steps."""
@@ -422,6 +432,10 @@ class LLMEngine:
     ) -> RequestOutput:
         """Detokenize a request's new tokens, check stop strings and build its output."""
         state = self.req_states[request.request_id]
+        if self.structured_output.accept_tokens(request.request_id, new_ids):
+            # The grammar is complete (or was broken): the request ends with "stop".
+            if not request.is_finished:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         stop = state.add_tokens(new_ids, runner_out.logprobs.get(request.request_id))
         if stop is not None:
             if not request.is_finished:
@@ -430,6 +444,7 @@ class LLMEngine:
         output = state.make_output(request)
         if request.is_finished:
             del self.req_states[request.request_id]
+            self.structured_output.remove_request(request.request_id)
         return output
 
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
@@ -450,6 +465,7 @@ class LLMEngine:
         else:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
         self.req_states.pop(request.request_id, None)
+        self.structured_output.remove_request(request.request_id)
         return error_output(request)
 
     def step(self) -> list[RequestOutput]:

@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from infer8.structured_output.params import StructuredOutputsParams
+
 _MAX_LOGPROBS = 20
 
 
@@ -38,6 +40,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Grammar-constrained decoding (vLLM's name): JSON schema, JSON object, regex, choice, EBNF.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +95,11 @@ class SamplingParams:
                 "stop_token_ids must be non-negative integers",
             ),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            (
+                self.structured_outputs is None
+                or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs must be a StructuredOutputsParams",
+            ),
         ]
         for ok, message in checks:
             if not ok:

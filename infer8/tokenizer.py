@@ -57,6 +57,11 @@ class Tokenizer:
         return cls(tok, cfg, _eos_ids(tok, cfg, gen_cfg, model_cfg), template)
 
     @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        """Return the underlying `tokenizers` object (for libraries that read the vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Return the tokenizer's vocabulary size (added tokens included)."""
         return self._tok.get_vocab_size(with_added_tokens=True)

@@ -66,14 +66,35 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them and generate."""
+        """Apply the chat template to one conversation or a list of them and generate.
+
+        `tools` (OpenAI's function tools) are rendered into the prompt; to force a call, pass
+        SamplingParams(structured_outputs=...) with the function's parameter schema.
+        """
+        from infer8.entrypoints.openai.protocol import APIError
+        from infer8.entrypoints.openai.tool_calls import (
+            render_tools,
+            template_messages,
+            tool_functions,
+        )
+
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.engine.tokenizer
-        prompts: list[Prompt] = [
-            tok.encode_chat(conv, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
-            for conv in conversations
-        ]
+        try:
+            functions = tool_functions(tools) if tools else []
+        except APIError as e:
+            raise ValueError(str(e)) from None
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            conv = template_messages(list(conv), tok.chat_template)  # type: ignore[arg-type]
+            kwargs: dict[str, Any] = {}
+            if functions:
+                conv, kwargs = render_tools(conv, tok.chat_template, functions)
+            prompts.append(
+                tok.encode_chat(conv, add_generation_prompt=add_generation_prompt, **kwargs)
+            )
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def reset_prefix_cache(self) -> int:

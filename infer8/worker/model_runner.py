@@ -13,6 +13,7 @@ from infer8.worker.kv_cache import LayerKVCache
 from infer8.worker.sampler import Sampler, SamplingState
 
 if TYPE_CHECKING:  # triton is only needed (and installed) on CUDA machines
+    from infer8.structured_output.manager import StructuredOutputManager
     from infer8.worker.cuda_graphs import CUDAGraphDecodeRunner
 
 
@@ -40,6 +41,8 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         # Set by the engine on CUDA unless enforce_eager: replays captured decode graphs.
         self.graph_runner: CUDAGraphDecodeRunner | None = None
+        # Set by the engine: masks constrained rows' logits by their grammars before sampling.
+        self.structured_output: StructuredOutputManager | None = None
 
     def _token_ids(self, state: SamplingState) -> list[int]:
         return state.prompt_token_ids + state.output_token_ids
@@ -93,6 +96,9 @@ class ModelRunner:
         if not self.is_driver:
             return ModelRunnerOutput()
         states = [self.states[sched.scheduled[i].req_id] for i in sample_rows]
+        if self.structured_output is not None:
+            req_ids = [sched.scheduled[i].req_id for i in sample_rows]
+            self.structured_output.apply_bitmask(logits, req_ids)
         sampled = self.sampler(logits, states, self.eos_token_ids)
         out = ModelRunnerOutput()
         for j, (i, state) in enumerate(zip(sample_rows, states)):

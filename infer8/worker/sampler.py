@@ -124,7 +124,13 @@ class Sampler:
         self, logits: torch.Tensor, states: list[SamplingState], eos_token_ids: list[int]
     ) -> SamplerOutput:
         """Sample a token per row of `logits` ([num_rows, vocab]); failed rows land in errors."""
-        logits = _finite_(logits.to(torch.float32, copy=True))  # [num_rows, vocab], our own copy
+        logits = logits.to(torch.float32, copy=True)  # [num_rows, vocab], our own copy
+        # Tokens already masked (-inf: a grammar's bitmask) stay masked whatever the penalties
+        # do to them (a repetition penalty below 1 would pull -1e20 up to about 0).
+        is_masked = None
+        if any(s.needs_penalties for s in states):
+            is_masked = torch.isneginf(logits)
+        _finite_(logits)
         errors: dict[int, str] = {}
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in states):
@@ -139,6 +145,8 @@ class Sampler:
                 _apply_penalties(processed[i], s, stop_ids)
             except Exception as e:  # noqa: BLE001 - one request's failure must stay its own
                 errors[i] = _row_error(i, e)
+        if is_masked is not None:
+            processed.masked_fill_(is_masked, -_LOGIT_LIMIT)
         tokens = processed.argmax(dim=-1).tolist()
         sampled = [i for i, s in enumerate(states) if not s.params.is_greedy and i not in errors]
         if sampled:

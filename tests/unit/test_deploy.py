@@ -256,9 +256,12 @@ def test_probes_service_and_scrape_use_the_server_endpoints(overlay: str) -> Non
     _, server_config = serve_args_from(parse_infer8(container_argv(container)))
     (port,) = container["ports"]
     assert port["containerPort"] == server_config.port == 8000
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    # liveness (and startup) on /health; readiness on /ready, which also fails while draining
+    for probe, path in [("startupProbe", "/health"), ("readinessProbe", "/ready")] + [
+        ("livenessProbe", "/health")
+    ]:
         get = container[probe]["httpGet"]
-        assert get["path"] == "/health" and get["port"] == port["name"], probe
+        assert get["path"] == path and get["port"] == port["name"], probe
     annotations = template["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/path"] == "/metrics"

@@ -14,6 +14,7 @@ from typing import Any
 from infer8 import __version__
 from infer8.config import EngineArgs
 from infer8.entrypoints.cli import add_engine_args, engine_args_from
+from infer8.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from infer8.entrypoints.openai.vllm_compat import (
     add_vllm_compat_args,
     apply_vllm_compat,
@@ -50,6 +51,9 @@ class ServerConfig:
     allowed_methods: str = '["*"]'
     allowed_headers: str = '["*"]'
     allow_credentials: bool = False
+    # Tool calling (vLLM's flags): "auto" tool choice parses the model's calls with this parser.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -70,6 +74,13 @@ class ServerConfig:
             raise ValueError(f"engine_step_timeout_s must be > 0, got {self.engine_step_timeout_s}")
         if self.max_engine_restarts < 0:
             raise ValueError(f"max_engine_restarts must be >= 0, got {self.max_engine_restarts}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(
                 f"uvicorn_log_level must be one of {UVICORN_LOG_LEVELS}, "
@@ -77,7 +88,10 @@ class ServerConfig:
             )
 
 
-_SERVER_CHOICES: dict[str, list[str]] = {"uvicorn_log_level": UVICORN_LOG_LEVELS}
+_SERVER_CHOICES: dict[str, list[str]] = {
+    "uvicorn_log_level": UVICORN_LOG_LEVELS,
+    "tool_call_parser": list(TOOL_CALL_PARSERS),
+}
 _SERVER_HELP: dict[str, str] = {
     "host": "address to bind",
     "port": "port to bind (0: any free port)",
@@ -102,6 +116,8 @@ _SERVER_HELP: dict[str, str] = {
     "allowed_methods": "CORS: JSON list of allowed methods",
     "allowed_headers": "CORS: JSON list of allowed headers",
     "allow_credentials": "CORS: allow credentials",
+    "enable_auto_tool_choice": 'let the model choose to call tools (tool_choice "auto")',
+    "tool_call_parser": "how to read the model's tool calls: hermes or llama3_json",
 }
 
 

@@ -99,6 +99,14 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool | None = True
     # Prefix caching: requests with different salts never share cached KV blocks (tenants).
     cache_salt: str | None = None
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs extra body.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # vLLM's older spellings of structured_outputs' json / regex / choice / grammar
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingRequest:
@@ -217,8 +225,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM's extras
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -227,10 +235,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ValueError("tools / tool_choice are not supported")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than text is not supported")
         return self
 
     @property
@@ -329,11 +333,43 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    """A function the model calls, with its arguments as a JSON string."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    """A streamed piece of a function call."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of tool call `index` (id, type and name come in its first piece)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class AssistantMessage(BaseModel):
     """The generated message (or a streamed delta of it)."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | list[DeltaToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

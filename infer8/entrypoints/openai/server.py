@@ -107,7 +107,8 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     step_timeout_s = config.engine_step_timeout_s or default_step_timeout_s(engine)
     supervision = SupervisionConfig(step_timeout_s, config.max_engine_restarts)
     engine_client = AsyncLLMEngine(engine, metrics, config.max_waiting_requests, supervision)
-    serving = OpenAIServing(engine_client, model_name)
+    tool_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
+    serving = OpenAIServing(engine_client, model_name, tool_parser)
     recorder = StepRecorder(engine, metrics)  # the web console's engine view
     engine.stat_loggers.append(recorder.on_step)
     engine_client.idle_loggers.append(recorder.on_idle)
@@ -173,6 +174,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
 
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        await serving.precompile(body)  # grammars compile in a thread: 400 if invalid
         sub = await serving.submit_completion(body)
         if body.stream:
             return EventStreamResponse(serving.stream_completion(body, sub), sub.group)
@@ -184,6 +186,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
 
     @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        await serving.precompile(body)
         sub = await serving.submit_chat(body)
         if body.stream:
             return EventStreamResponse(serving.stream_chat(body, sub), sub.group)

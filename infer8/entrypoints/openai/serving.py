@@ -38,6 +38,8 @@ from infer8.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from infer8.entrypoints.openai.structured import compile_or_400, request_constraint
+from infer8.entrypoints.openai.tool_calls import ToolContext, resolve_tools, template_messages
 from infer8.outputs import CompletionOutput, Logprobs, RequestOutput
 from infer8.sampling_params import RequestOutputKind, SamplingParams
 
@@ -57,15 +59,24 @@ class Submission:
     stream_usage: bool
     continuous_usage: bool
     echo_texts: list[str] = field(default_factory=list)  # per choice; completions with echo
+    tools: ToolContext | None = None  # chat requests that use tools
 
 
 class OpenAIServing:
     """Owns request validation and response building for completions and chat completions."""
 
-    def __init__(self, engine_client: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(
+        self,
+        engine_client: AsyncLLMEngine,
+        model_name: str,
+        tool_call_parser: str | None = None,
+    ) -> None:
         self.engine_client = engine_client
         engine = engine_client.engine
         self.model_name = model_name
+        # Set with --enable-auto-tool-choice: how "auto" tool choice reads the model's calls.
+        self.tool_call_parser = tool_call_parser
+        self.structured_output = engine.structured_output
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
@@ -167,6 +178,22 @@ class OpenAIServing:
             raise APIError(503, str(e), "server_error", code="engine_unavailable") from None
         return request_id, group
 
+    # -- structured outputs and tools -------------------------------------------------------
+    def _tool_context(
+        self, request: CompletionRequest | ChatCompletionRequest
+    ) -> ToolContext | None:
+        if not isinstance(request, ChatCompletionRequest):
+            return None
+        return resolve_tools(
+            request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_call_parser
+        )
+
+    async def precompile(self, request: CompletionRequest | ChatCompletionRequest) -> None:
+        """Compile a request's grammar off the event loop and the engine thread; 400 if invalid."""
+        constraint = request_constraint(request, self._tool_context(request))
+        if constraint is not None:
+            await compile_or_400(self.structured_output, constraint, request)
+
     # -- completions ------------------------------------------------------------------------
     async def submit_completion(self, request: CompletionRequest) -> Submission:
         """Validate, tokenize (off the event loop) and submit a completion request."""
@@ -196,6 +223,7 @@ class OpenAIServing:
             token_lists, texts = [list(prompt)], [None]  # type: ignore[arg-type]
         n = request.n or 1
         self._check_fan_out(len(token_lists) * n)
+        constraint = request_constraint(request, None)
         prompts, params, echo_texts = [], [], []
         for text, token_ids in zip(texts, token_lists):
             self.check_token_ids(token_ids, "prompt")
@@ -203,6 +231,7 @@ class OpenAIServing:
             for i in range(n):
                 prompts.append(token_ids)
                 params.append(self._params(request, max_tokens, request.logprobs, i))
+                params[-1].structured_outputs = constraint
                 if request.echo:
                     echo_texts.append(
                         text if text is not None else self.tokenizer.decode(token_ids)
@@ -317,13 +346,20 @@ class OpenAIServing:
         messages: list[ChatMessage],
         add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any] | None,
+        tools: ToolContext | None = None,
     ) -> list[int]:
         """Apply the chat template; template errors are the client's (400)."""
         try:
             conversation = [m.to_template_dict() for m in messages]
+            template = self.tokenizer.chat_template
+            conversation = template_messages(conversation, template)
+            tool_kwargs: dict[str, Any] = {}
+            if tools is not None:
+                conversation, tool_kwargs = tools.render(conversation, template)
             return self.tokenizer.encode_chat(
                 conversation,
                 add_generation_prompt=add_generation_prompt,
+                **tool_kwargs,
                 **(chat_template_kwargs or {}),
             )
         except (ValueError, TypeError, jinja2.TemplateError) as e:
@@ -337,38 +373,54 @@ class OpenAIServing:
     def _submit_chat(
         self, request: ChatCompletionRequest, loop: asyncio.AbstractEventLoop
     ) -> Submission:
+        tools = self._tool_context(request)
+        constraint = request_constraint(request, tools)
         token_ids = self.chat_prompt(
             request.messages,
             request.add_generation_prompt is not False,
             request.chat_template_kwargs,
+            tools,
         )
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         max_tokens = self.resolve_max_tokens(len(token_ids), request.requested_max_tokens, param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         n = request.n or 1
         params = [self._params(request, max_tokens, logprobs, i) for i in range(n)]
+        for p in params:
+            p.structured_outputs = constraint
         request_id, group = self._submit(
             "chatcmpl", [token_ids] * n, params, request.cache_salt, loop
         )
-        return Submission(request_id, group, len(token_ids), *_usage_flags(request))
+        return Submission(request_id, group, len(token_ids), *_usage_flags(request), tools=tools)
 
     async def chat(self, request: ChatCompletionRequest, sub: Submission) -> ChatCompletionResponse:
         """Run a submitted chat completion to the end and return the whole response."""
         finals, logprobs = await _collect(sub.group)
-        choices = [
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(role="assistant", content=finals[index].text),
-                logprobs=self._chat_logprobs(
-                    finals[index].token_ids, logprobs[index], request.top_logprobs or 0
+        choices = []
+        for index in sorted(finals):
+            final = finals[index]
+            message = AssistantMessage(role="assistant", content=final.text)
+            finish_reason = final.finish_reason
+            if sub.tools is not None:
+                content, calls = sub.tools.extract(final.text)
+                message = AssistantMessage(
+                    role="assistant", content=content, tool_calls=calls or None
                 )
-                if request.logprobs
-                else None,
-                finish_reason=finals[index].finish_reason,
-                stop_reason=finals[index].stop_reason,
+                if calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=message,
+                    logprobs=self._chat_logprobs(
+                        final.token_ids, logprobs[index], request.top_logprobs or 0
+                    )
+                    if request.logprobs
+                    else None,
+                    finish_reason=finish_reason,
+                    stop_reason=final.stop_reason,
+                )
             )
-            for index in sorted(finals)
-        ]
         return ChatCompletionResponse(
             id=sub.request_id,
             model=self.model_name,
@@ -399,15 +451,26 @@ class OpenAIServing:
                         index=index, delta=AssistantMessage(role="assistant", content="")
                     )
                 )
+            streamers = {}
             async for index, output in _outputs(sub.group):
                 completion = output.outputs[0]
                 num_tokens[index] += len(completion.delta_token_ids)
                 if not (completion.delta_text or completion.delta_token_ids or output.finished):
                     continue
+                delta = AssistantMessage(content=completion.delta_text)
+                finish_reason = completion.finish_reason
+                if sub.tools is not None:
+                    streamer = streamers.setdefault(index, sub.tools.streamer())
+                    content, calls = streamer.feed(completion.delta_text, output.finished)
+                    if not (content or calls or output.finished):
+                        continue  # held back: part of a tool call not complete yet
+                    delta = AssistantMessage(content=content, tool_calls=calls or None)
+                    if finish_reason == "stop" and streamer.num_calls:
+                        finish_reason = "tool_calls"
                 yield chunk(
                     ChatStreamChoice(
                         index=index,
-                        delta=AssistantMessage(content=completion.delta_text),
+                        delta=delta,
                         logprobs=self._chat_logprobs(
                             completion.delta_token_ids,
                             completion.logprobs or [],
@@ -415,7 +478,7 @@ class OpenAIServing:
                         )
                         if request.logprobs
                         else None,
-                        finish_reason=completion.finish_reason,
+                        finish_reason=finish_reason,
                         stop_reason=completion.stop_reason,
                     )
                 )

@@ -1,0 +1,72 @@
+"""StructuredOutputsParams: the constraint a request's output must satisfy (vLLM's names)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of json (a JSON schema), json_object, regex, choice or grammar (EBNF)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's option: no free whitespace between JSON tokens (forces compact, bounded output).
+    disable_any_whitespace: bool = False
+    _key: str | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        kinds = [
+            name
+            for name, value in (
+                ("json", self.json),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+                ("json_object", self.json_object or None),
+            )
+            if value is not None
+        ]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured outputs need exactly one of json, json_object, regex, choice, "
+                f"grammar; got {kinds or 'none'}"
+            )
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured outputs choice must be a non-empty list of strings")
+            self.choice = list(self.choice)
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError("the JSON schema must be a JSON object")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured outputs {name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Return which constraint this is: json, json_object, regex, choice or grammar."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def key(self) -> str:
+        """Return a canonical string naming the compiled grammar (the compile cache key)."""
+        if self._key is None:
+            value: Any = getattr(self, self.kind)
+            self._key = json.dumps(
+                [self.kind, value, self.disable_any_whitespace], sort_keys=True, ensure_ascii=False
+            )
+        return self._key
