@@ -187,3 +187,15 @@ def test_batched_sampling_matches_each_rows_distribution() -> None:
     assert seen == allowed
     # the plain seeded row follows the distribution (0.5, 0.3, 0.15, 0.05)
     assert 150 < counts[0] < 250 and 80 < counts[1] < 160 and counts[3] < 45
+
+
+def test_masked_tokens_stay_masked_under_any_penalty() -> None:
+    # A grammar's bitmask sets -inf; a repetition penalty below 1 must not revive those tokens.
+    logits = torch.tensor([[-float("inf"), -5.0, -float("inf"), -7.0] * 16])
+    for kwargs in ({"repetition_penalty": 1e-38}, {"presence_penalty": -2.0}):
+        st_ = _state(temperature=1.0, **kwargs)
+        st_.prompt_token_ids = list(range(64))
+        st_.output_token_ids = [0, 2, 4]
+        sampler = Sampler(torch.device("cpu"), 0)
+        tokens = {sampler(logits, [st_], []).token_ids[0] for _ in range(50)}
+        assert all(t % 2 == 1 for t in tokens), (kwargs, tokens)
