@@ -120,6 +120,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
             yield
         finally:
             await asyncio.to_thread(engine_client.shutdown)
+            serving.executor.shutdown(wait=False)
 
     docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "openapi_url": None}
     docs.update(redoc_url=None)
@@ -129,9 +130,10 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     app.state.console_recorder = recorder
     _add_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
-    app.add_middleware(AdmissionMiddleware, engine_client=engine_client)
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    # Outermost of ours: an overload or drain 503 costs no parsing and no key check.
+    app.add_middleware(AdmissionMiddleware, engine_client=engine_client)
     if config.allowed_origins is not None:  # CORS, outermost so preflights need no key
         app.add_middleware(
             CORSMiddleware,
@@ -326,38 +328,39 @@ class EventStreamResponse(SSEResponse):
 class AdmissionMiddleware:
     """Refuses generation requests at once, before reading the body, when draining or full.
 
-    This keeps a 503 cheap under a burst: no JSON parsing, no tokenization.
+    The two answers are rendered once, so a 503 under a burst costs no parsing, no tokenization
+    and no JSON encoding.
     """
 
     def __init__(self, app: ASGIApp, engine_client: AsyncLLMEngine) -> None:
         self.app = app
         self.engine_client = engine_client
+        self.draining = error_response(
+            503,
+            "the server is shutting down; retry on another replica",
+            "server_error",
+            code="server_shutting_down",
+            headers={"Connection": "close"},
+        )
+        self.overloaded = error_response(
+            503,
+            f"the server is overloaded (--max-waiting-requests "
+            f"{engine_client.max_waiting_requests} reached); retry later",
+            "server_overloaded",
+            code="server_overloaded",
+            headers={"Retry-After": "1"},
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in _GENERATE_PATHS:
             client = self.engine_client
-            response = None
             if client.is_draining:
-                response = error_response(
-                    503,
-                    "the server is shutting down; retry on another replica",
-                    "server_error",
-                    code="server_shutting_down",
-                    headers={"Connection": "close"},
-                )
-            elif client.is_overloaded:
+                await self.draining(scope, receive, send)
+                return
+            if client.is_overloaded:
                 if client.metrics is not None:
                     client.metrics.on_rejected()
-                response = error_response(
-                    503,
-                    f"the server is overloaded (--max-waiting-requests "
-                    f"{client.max_waiting_requests} reached); retry later",
-                    "server_overloaded",
-                    code="server_overloaded",
-                    headers={"Retry-After": "1"},
-                )
-            if response is not None:
-                await response(scope, receive, send)
+                await self.overloaded(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

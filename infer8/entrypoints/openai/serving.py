@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -81,6 +83,11 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.default_sampling = engine.default_sampling  # the model's generation config
+        # Tokenization and templating run here, off the event loop, on at most all cores but one:
+        # a flood of huge prompts then never takes the core the event loop and engine need.
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="infer8-tokenize"
+        )
 
     # -- shared validation ------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -198,7 +205,7 @@ class OpenAIServing:
     async def submit_completion(self, request: CompletionRequest) -> Submission:
         """Validate, tokenize (off the event loop) and submit a completion request."""
         self.check_model(request.model)
-        return await _in_thread(self._submit_completion, request)
+        return await _in_thread(self.executor, self._submit_completion, request)
 
     def _encode(self, text: str, param: str) -> list[int]:
         try:
@@ -368,7 +375,7 @@ class OpenAIServing:
     async def submit_chat(self, request: ChatCompletionRequest) -> Submission:
         """Validate, apply the chat template (off the event loop) and submit a chat request."""
         self.check_model(request.model)
-        return await _in_thread(self._submit_chat, request)
+        return await _in_thread(self.executor, self._submit_chat, request)
 
     def _submit_chat(
         self, request: ChatCompletionRequest, loop: asyncio.AbstractEventLoop
@@ -517,7 +524,9 @@ class OpenAIServing:
 
 
 async def _in_thread(
-    submit: Callable[[Any, asyncio.AbstractEventLoop], Submission], request: Any
+    executor: concurrent.futures.Executor,
+    submit: Callable[[Any, asyncio.AbstractEventLoop], Submission],
+    request: Any,
 ) -> Submission:
     """Run a submit function in a worker thread (tokenizing there keeps the event loop free).
 
@@ -525,7 +534,7 @@ async def _in_thread(
     its requests are then aborted instead of running for nobody.
     """
     loop = asyncio.get_running_loop()
-    future = loop.run_in_executor(None, submit, request, loop)
+    future = loop.run_in_executor(executor, submit, request, loop)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
