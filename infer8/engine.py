@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer8.attention.exact_tail import describe_exact_tail, resolve_exact_tail
 from infer8.attention.torch_ref import AttentionBackend, TorchRefAttention
 from infer8.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from infer8.core.kv_cache_manager import KVCacheManager, cdiv
@@ -26,7 +27,7 @@ from infer8.distributed.sharding import TensorParallelShard
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.models.loader import load_model
 from infer8.outputs import RequestOutput, RequestState
-from infer8.quant import kv_scales
+from infer8.quant import fp8, kv_scales
 from infer8.request import Request, RequestStatus
 from infer8.sampling_params import SamplingParams
 from infer8.tokenizer import Tokenizer
@@ -93,15 +94,28 @@ class LLMEngine:
         )
         arch = model.config
         kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
+        tail_tokens, rotate_keys = resolve_exact_tail(
+            cache_config.kv_cache_exact_tail_tokens,
+            cache_config.kv_cache_rotate_keys,
+            is_fp8=kv_dtype in fp8.FP8_DTYPES,
+            is_reference_backend=model_config.device.type != "cuda",
+            has_static_scales=cache_config.kv_scale == "static",
+            head_dim=arch.head_dim,
+        )
         self.kv_spec = KVCacheSpec(
             num_layers=arch.num_hidden_layers,
             num_kv_heads=arch.num_key_value_heads,
             head_dim=arch.head_dim,
             block_size=cache_config.block_size,
             dtype=kv_dtype,
+            exact_tail_tokens=tail_tokens,
+            tail_dtype=model_config.dtype,
+            rotate_keys=rotate_keys,
         )
+        # one ring row per seat: the tail's memory comes out of the KV budget
+        self.num_tail_rows = scheduler_config.max_num_seqs if tail_tokens else 0
         kv_bytes = self._kv_budget_bytes(args, model, model_config, scheduler_config)
-        self.num_blocks = self.kv_spec.num_blocks_for(kv_bytes)
+        self.num_blocks = self.kv_spec.num_blocks_for(kv_bytes, self.num_tail_rows)
         if tp_group is not None:  # every rank must hold every block id the scheduler hands out
             self.num_blocks = min(tp_group.exchange("num_blocks", self.num_blocks))
         if self.num_blocks < 1:
@@ -116,16 +130,20 @@ class LLMEngine:
         model_config = dataclasses.replace(model_config, max_model_len=self.max_model_len)
         self.model_config = model_config
         model.rope_tables(self.max_model_len, model_config.device, model_config.dtype)
-        kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, model_config.device)
+        kv_caches = allocate_kv_cache(
+            self.kv_spec, self.num_blocks, model_config.device, self.num_tail_rows
+        )
         self.kv_caches = kv_caches
         self.kv_scale_source = self._setup_kv_scales(ckpt_kv_scales)
         self.attn_backend = self._attention_backend(model_config)
         model.set_attention_backend(self.attn_backend)
-        gib = self.num_blocks * self.kv_spec.bytes_per_block / GiB
+        tail_bytes = self.kv_spec.tail_bytes(self.num_tail_rows)
+        gib = (self.num_blocks * self.kv_spec.bytes_per_block + tail_bytes) / GiB
         dtype_name = str(kv_dtype).removeprefix("torch.")
         print(
             f"KV cache: {self.num_blocks} blocks x {cache_config.block_size} tokens = "
-            f"{capacity_tokens} tokens, {gib:.2f} GiB, dtype {dtype_name}",
+            f"{capacity_tokens} tokens, {gib:.2f} GiB, dtype {dtype_name}"
+            + describe_exact_tail(self.kv_spec, self.num_tail_rows),
             flush=True,
         )
         self.model: LlamaForCausalLM = model
@@ -151,11 +169,13 @@ class LLMEngine:
             self.tokenizer.eos_token_ids,
             seed=model_config.seed,
             is_driver=tp_group is None or tp_group.rank == 0,
+            exact_tail_tokens=tail_tokens,
         )
         if (
             model_config.device.type == "cuda"
             and not model_config.enforce_eager
             and tp_group is None
+            and not self.uses_exact_tail
         ):
             # Decode steps replay captured CUDA graphs per batch bucket (vLLM's default);
             # --enforce-eager turns this off. Untested here: no GPU was available.
@@ -179,16 +199,24 @@ class LLMEngine:
     # -- construction helpers -------------------------------------------------------------
     def _attention_backend(self, model_config: ModelConfig) -> AttentionBackend:
         """Choose the attention backend once: Triton kernels on CUDA, the torch reference on CPU."""
-        if model_config.device.type == "cuda":
+        if model_config.device.type == "cuda" and not self.uses_exact_tail:
             from infer8.attention.triton_paged import TritonAttention
 
             return TritonAttention(model_config.device)
+        if model_config.device.type == "cuda":  # the kernels read no exact tail yet
+            logger.warning("exact tail / rotated keys: using the reference attention on CUDA")
+            return TorchRefAttention(use_compile=not model_config.enforce_eager)
         fp8 = self.kv_spec.is_fp8
         # On CPU the native kernels gather (and dequantize FP8) blocks over all threads; without
         # a C compiler, FP8 falls back to compiled torch dequantization.
         return TorchRefAttention(
             use_compile=fp8 and not model_config.enforce_eager, use_native=True
         )
+
+    @property
+    def uses_exact_tail(self) -> bool:
+        """Return whether the FP8 cache keeps an exact tail or rotates keys."""
+        return self.kv_spec.exact_tail_tokens > 0 or self.kv_spec.rotate_keys
 
     def _setup_kv_scales(self, ckpt_scales: dict[int, dict[str, torch.Tensor]]) -> str:
         """Install static FP8 scales if asked for; return where scales come from.
