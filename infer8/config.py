@@ -115,7 +115,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # FP8 only (see attention/exact_tail.py): None = auto, resolved once by the engine.
     kv_cache_exact_tail_tokens: int | None = None
-    kv_cache_rotate_keys: bool | None = None
+    kv_cache_hadamard: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_exact_tail_tokens is not None and self.kv_cache_exact_tail_tokens < 0:
@@ -188,7 +188,7 @@ class EngineArgs:
     kv_scales_path: str | None = None
     enable_prefix_caching: bool = True
     kv_cache_exact_tail_tokens: int | None = None
-    kv_cache_rotate_keys: bool | None = None
+    kv_cache_hadamard: bool | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     scheduler: str = "continuous"
@@ -225,7 +225,7 @@ class EngineArgs:
             kv_scales_path=self.kv_scales_path,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_exact_tail_tokens=self.kv_cache_exact_tail_tokens,
-            kv_cache_rotate_keys=self.kv_cache_rotate_keys,
+            kv_cache_hadamard=self.kv_cache_hadamard,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

@@ -94,9 +94,9 @@ class LLMEngine:
         )
         arch = model.config
         kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
-        tail_tokens, rotate_keys = resolve_exact_tail(
+        tail_tokens, hadamard = resolve_exact_tail(
             cache_config.kv_cache_exact_tail_tokens,
-            cache_config.kv_cache_rotate_keys,
+            cache_config.kv_cache_hadamard,
             is_fp8=kv_dtype in fp8.FP8_DTYPES,
             is_reference_backend=model_config.device.type != "cuda",
             has_static_scales=cache_config.kv_scale == "static",
@@ -110,7 +110,7 @@ class LLMEngine:
             dtype=kv_dtype,
             exact_tail_tokens=tail_tokens,
             tail_dtype=model_config.dtype,
-            rotate_keys=rotate_keys,
+            hadamard=hadamard,
         )
         # one ring row per seat: the tail's memory comes out of the KV budget
         self.num_tail_rows = scheduler_config.max_num_seqs if tail_tokens else 0
@@ -216,7 +216,7 @@ class LLMEngine:
     @property
     def uses_exact_tail(self) -> bool:
         """Return whether the FP8 cache keeps an exact tail or rotates keys."""
-        return self.kv_spec.exact_tail_tokens > 0 or self.kv_spec.rotate_keys
+        return self.kv_spec.exact_tail_tokens > 0 or self.kv_spec.hadamard
 
     def _setup_kv_scales(self, ckpt_scales: dict[int, dict[str, torch.Tensor]]) -> str:
         """Install static FP8 scales if asked for; return where scales come from.

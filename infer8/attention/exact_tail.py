@@ -37,12 +37,12 @@ if TYPE_CHECKING:
 # Measured on the default model (docs/accuracy.md, "exact tail"): the window and whether K is
 # rotated when the flags are left on auto for an FP8 cache on the reference (CPU) backend.
 DEFAULT_EXACT_TAIL_TOKENS = 16
-DEFAULT_ROTATE_KEYS = True
+DEFAULT_HADAMARD = True
 
 
 def resolve_exact_tail(
     tail_tokens: int | None,
-    rotate_keys: bool | None,
+    hadamard: bool | None,
     is_fp8: bool,
     is_reference_backend: bool,
     has_static_scales: bool,
@@ -56,16 +56,16 @@ def resolve_exact_tail(
     if not is_fp8:
         return 0, False
     pow2 = head_dim & (head_dim - 1) == 0
-    if rotate_keys and has_static_scales:
-        raise ValueError("kv_cache_rotate_keys needs dynamic scales (--kv-scale dynamic)")
-    if rotate_keys and not pow2:
-        raise ValueError(f"kv_cache_rotate_keys needs a power-of-two head_dim, got {head_dim}")
+    if hadamard and has_static_scales:
+        raise ValueError("kv_cache_hadamard needs dynamic scales (--kv-scale dynamic)")
+    if hadamard and not pow2:
+        raise ValueError(f"kv_cache_hadamard needs a power-of-two head_dim, got {head_dim}")
     if tail_tokens is None:
         tail_tokens = DEFAULT_EXACT_TAIL_TOKENS if is_reference_backend else 0
-    if rotate_keys is None:
-        rotate_keys = DEFAULT_ROTATE_KEYS and is_reference_backend and pow2
-        rotate_keys = rotate_keys and not has_static_scales
-    return tail_tokens, rotate_keys
+    if hadamard is None:
+        hadamard = DEFAULT_HADAMARD and is_reference_backend and pow2
+        hadamard = hadamard and not has_static_scales
+    return tail_tokens, hadamard
 
 
 def describe_exact_tail(spec: KVCacheSpec, num_rows: int) -> str:
@@ -78,7 +78,7 @@ def describe_exact_tail(spec: KVCacheSpec, num_rows: int) -> str:
             f"exact tail {spec.exact_tail_tokens} tokens ({num_rows} seats x "
             f"{spec.tail_ring_tokens} {dtype} tokens = {mib:.1f} MiB, counted)"
         )
-    if spec.rotate_keys:
+    if spec.hadamard:
         parts.append("Hadamard-rotated keys")
     return "; " + ", ".join(parts) if parts else ""
 

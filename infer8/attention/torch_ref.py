@@ -59,6 +59,8 @@ class TorchRefAttention:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         if cache.k_rotation is not None:
             k = exact_tail.rotate(k, cache.k_rotation)
+            if cache.rotate_values:
+                v = exact_tail.rotate(v, cache.k_rotation)
         if cache.k_amax is not None:  # calibration: per-channel running amax
             torch.maximum(cache.k_amax, k.abs().amax(dim=0).float(), out=cache.k_amax)
             torch.maximum(cache.v_amax, v.abs().amax(dim=0).float(), out=cache.v_amax)
@@ -199,12 +201,17 @@ class TorchRefAttention:
             q = exact_tail.rotate(q, cache.k_rotation)
             if k_new is not None:
                 k_new = exact_tail.rotate(k_new, cache.k_rotation)
+            if v_new is not None and cache.rotate_values:
+                v_new = exact_tail.rotate(v_new, cache.k_rotation)
         if meta.tail is None:
-            return self._attend(q, cache, meta, scale, None, None)
-        assert k_new is not None and v_new is not None
-        out = self._attend(q, cache, meta, scale, k_new, v_new)
-        assert cache.k_tail is not None and cache.v_tail is not None
-        exact_tail.write_ring(cache.k_tail, cache.v_tail, k_new, v_new, meta.tail)
+            out = self._attend(q, cache, meta, scale, None, None)
+        else:
+            assert k_new is not None and v_new is not None
+            out = self._attend(q, cache, meta, scale, k_new, v_new)
+            assert cache.k_tail is not None and cache.v_tail is not None
+            exact_tail.write_ring(cache.k_tail, cache.v_tail, k_new, v_new, meta.tail)
+        if cache.k_rotation is not None and cache.rotate_values:
+            out = exact_tail.rotate(out, cache.k_rotation)  # H is its own inverse
         return out
 
     def _attend(

@@ -29,6 +29,10 @@ HELP: dict[str, str] = {
     "gpu_memory_utilization": "fraction of device memory (RAM on CPU) for weights+activations+KV",
     "kv_scale": "FP8 KV scaling: dynamic per-token scales, or static per-layer scales",
     "kv_scales_path": "JSON file of static KV scales made by `infer8 calibrate-kv`",
+    "kv_cache_exact_tail_tokens": "FP8 cache: each sequence's last N tokens are read exactly "
+    "(compute dtype; costs max_num_seqs x (N-1) tokens of it); None = auto: 16 on CPU, 0 on CUDA",
+    "kv_cache_hadamard": "FP8 cache: Hadamard-rotate K/q and V/output per head before "
+    "quantizing; None = auto: on for dynamic scales on CPU, off on CUDA",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes across requests "
     "(ignored by --scheduler static)",
     "tensor_parallel_size": "split the model over N processes, one per device (under torchrun: "

@@ -22,7 +22,7 @@ class KVCacheSpec:
     # FP8 exact tail (attention/exact_tail.py): window W, and the compute dtype its rings hold.
     exact_tail_tokens: int = 0
     tail_dtype: torch.dtype = torch.bfloat16
-    rotate_keys: bool = False
+    hadamard: bool = False
 
     @property
     def is_fp8(self) -> bool:
@@ -82,6 +82,7 @@ class LayerKVCache:
     k_tail: torch.Tensor | None = None
     v_tail: torch.Tensor | None = None
     k_rotation: torch.Tensor | None = None  # [head_dim, head_dim] float32 Hadamard, K and q
+    rotate_values: bool = False
 
     @property
     def block_size(self) -> int:
@@ -96,7 +97,7 @@ def allocate_kv_cache(
     shape = (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
     tail_shape = (spec.num_kv_heads, num_tail_rows, spec.tail_ring_tokens, spec.head_dim)
     has_tail = spec.exact_tail_tokens > 0 and num_tail_rows > 0
-    rotation = hadamard(spec.head_dim, device) if spec.rotate_keys else None
+    rotation = hadamard(spec.head_dim, device) if spec.hadamard else None
     layers = []
     for _ in range(spec.num_layers):
         scale_shape = shape[:-1]
@@ -118,6 +119,7 @@ def allocate_kv_cache(
                 if has_tail
                 else None,
                 k_rotation=rotation,
+                rotate_values=spec.hadamard,
             )
         )
     return layers
