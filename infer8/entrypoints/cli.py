@@ -113,8 +113,20 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
 def _cmd_eval_kv(ns: argparse.Namespace) -> int:
     from infer8.eval.kv_accuracy import format_kv_report, run_kv_eval
 
-    result = run_kv_eval(engine_args_from(ns), num_tokens=ns.num_tokens, text=ns.text)
-    print(format_kv_report(result))
+    if ns.variants:  # per-variant rows: E4M3 before/tail/Hadamard/default, E5M2
+        from infer8.eval.kv_variants import format_variants, run_kv_variants
+
+        result = run_kv_variants(
+            engine_args_from(ns),
+            num_tokens=ns.num_tokens,
+            texts=tuple(ns.texts.split(",")),
+            dtypes=tuple(ns.dtypes.split(",")),
+            greedy_tokens=ns.greedy_tokens,
+        )
+        print(format_variants(result))
+    else:
+        result = run_kv_eval(engine_args_from(ns), num_tokens=ns.num_tokens, text=ns.text)
+        print(format_kv_report(result))
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=2))
         print(f"wrote {ns.json}")
@@ -163,6 +175,15 @@ def _add_eval_parsers(sub: Any) -> None:
     kv.add_argument("--num-tokens", type=int, default=2048)
     kv.add_argument("--text", default="areopagitica.txt", help="shipped text name or a file path")
     kv.add_argument("--json", default=None, help="write the result as JSON here")
+    kv.add_argument(
+        "--variants",
+        action="store_true",
+        help="rows for E4M3 (before / + exact tail / + Hadamard / default) and E5M2 per text "
+        "and dtype, plus greedy agreement on fixed chat prompts",
+    )
+    kv.add_argument("--texts", default="areopagitica.txt,hamlet_act1.txt", help="--variants")
+    kv.add_argument("--dtypes", default="float32,bfloat16", help="--variants: compute dtypes")
+    kv.add_argument("--greedy-tokens", type=int, default=96, help="--variants")
     gs = ev.add_parser("gsm8k", help="GSM8K exact match with each KV dtype (your JSONL file)")
     add_engine_args(gs)
     gs.set_defaults(func=_cmd_eval_gsm8k)

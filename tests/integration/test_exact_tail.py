@@ -117,3 +117,27 @@ def test_tail_greedy_tokens_survive_chunking_preemption_and_prefix_hits(llama_di
     got = [_generate(cached, [p])[0] for p in prompts]
     assert sum(s.num_prefix_cache_hits for s in cached_stats) == 40
     assert got == _generate(roomy, prompts)
+
+
+def test_eval_kv_variants_reports_every_row(llama_dir: Path) -> None:
+    from infer8.eval.kv_variants import VARIANTS, format_variants, run_kv_variants
+
+    r = run_kv_variants(
+        EngineArgs(model=str(llama_dir), kv_cache_memory_bytes=1 << 22),
+        num_tokens=48,
+        dtypes=("float32",),
+        greedy_tokens=8,
+    )
+    assert [(x["variant"], x["text"]) for x in r["rows"]] == [
+        (v, t) for v in VARIANTS for t in ("areopagitica.txt", "hamlet_act1.txt")
+    ]
+    before, default = r["rows"][0], r["rows"][6]
+    assert before["exact_tail_tokens"] == 0 and not before["hadamard"]
+    assert default["exact_tail_tokens"] == 16 and default["hadamard"]
+    for row in r["rows"]:
+        assert 0 <= row["kl_mean"] < 0.5 and 0.5 < row["top1_agreement"] <= 1.0
+    assert len(r["greedy"]) == 1 + len(VARIANTS)
+    assert r["greedy"][0]["greedy_identical_prompts"] == 1.0  # a tiny fp32 model: no noise
+    assert "| e5m2 default (tail + Hadamard) | float32 | hamlet_act1.txt | 16 | yes |" in (
+        format_variants(r)
+    )
