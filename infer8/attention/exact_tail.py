@@ -18,9 +18,11 @@ A request's row holds exact values only from the first position it computed sinc
 the row (`exact_start`): after a prefix-cache hit at `h`, queries in [h, h + W - 1) read the
 cached positions before `h` quantized (a hit is never recomputed to refill the ring).
 
-Rotated keys: K and q multiplied by the same orthonormal (Sylvester) Hadamard matrix per head
-before K is stored, so q.k is unchanged in exact arithmetic while an outlier channel of K is
-spread over all of the head's channels before it meets FP8's per-token scale.
+Hadamard rotation (`kv_cache_hadamard`): K and q are multiplied by the same orthonormal
+(Sylvester) Hadamard matrix per head before K is stored, so q.k is unchanged in exact arithmetic
+while an outlier channel of K is spread over all of the head's channels before it meets FP8's
+per-token scale; V is rotated alike and the attention output rotated back (H is its own
+inverse). The rotation runs inside the backend's write and attend calls, not as a model pass.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ import torch
 if TYPE_CHECKING:
     from infer8.worker.kv_cache import KVCacheSpec
 
-# Measured on the default model (docs/accuracy.md, "exact tail"): the window and whether K is
-# rotated when the flags are left on auto for an FP8 cache on the reference (CPU) backend.
+# Measured on the default model (docs/accuracy.md, "Exact tail"): the window (the largest that
+# keeps bench capacity's FP8/bf16 ratio >= 1.9x at 1,024 tokens) and the rotation, used when the
+# flags are left on auto for an FP8 cache on the reference (CPU) backend.
 DEFAULT_EXACT_TAIL_TOKENS = 16
 DEFAULT_HADAMARD = True
 
@@ -157,8 +160,9 @@ def build_tail_metadata(
     for row, start, q_len, s0 in zip(rows, exact_starts, query_lens, num_computed_tokens):
         lo = max(start, s0 - ring)
         meta.ring_read_slots.append(
-            torch.tensor([row * ring + p % ring for p in range(lo, s0)], dtype=torch.int64)
-            .to(device)
+            torch.tensor([row * ring + p % ring for p in range(lo, s0)], dtype=torch.int64).to(
+                device
+            )
         )
         if ring:
             for p in range(max(s0, s0 + q_len - ring), s0 + q_len):
@@ -247,8 +251,13 @@ def prefill_kv_and_mask(
     # quantized position j is read by query a iff j <= a - W or j < exact_start
     num_quant = min(seq_len, max(seq_len - window, exact_start, 0))
     exact_k, exact_v = (
-        torch.cat([ring.view(ring.shape[0], -1, ring.shape[-1])[:, ring_slots], new.transpose(0, 1)
-                   .to(ring.dtype)], dim=1).to(k.dtype)
+        torch.cat(
+            [
+                ring.view(ring.shape[0], -1, ring.shape[-1])[:, ring_slots],
+                new.transpose(0, 1).to(ring.dtype),
+            ],
+            dim=1,
+        ).to(k.dtype)
         for ring, new in ((k_ring, k_new), (v_ring, v_new))
     )
     if num_quant == 0 and lo == 0 and q_len == seq_len:

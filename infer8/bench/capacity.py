@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
+from infer8.attention.exact_tail import resolve_exact_tail
 from infer8.bench.report import fmt, fmt_bytes, markdown_table
 from infer8.bench.throughput import bench_engine_args
 from infer8.bench.workload import LengthSpec, make_requests
-from infer8.attention.exact_tail import resolve_exact_tail
 from infer8.config import EngineArgs, KVCacheDType, parse_dtype, resolve_device
 from infer8.core.kv_cache_manager import cdiv
 from infer8.engine import LLMEngine, resolve_model_path

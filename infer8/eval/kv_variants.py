@@ -125,7 +125,9 @@ def run_kv_variants(
         ref_together: list[list[int]] = []
         if dtype == greedy_dtype:
             chats = [
-                ref.tokenizer.encode_chat([{"role": "user", "content": c}], add_generation_prompt=True)
+                ref.tokenizer.encode_chat(
+                    [{"role": "user", "content": c}], add_generation_prompt=True
+                )
                 for c in CHAT_PROMPTS
             ]
             ref_together = _greedy(ref, chats, greedy_tokens, together=True)
@@ -155,7 +157,9 @@ def run_kv_variants(
                 print(format_row(rows[-1]), flush=True)
             if chats:
                 test = _greedy(engine, chats, greedy_tokens, together=True)
-                greedy.append({"variant": name, "dtype": dtype} | greedy_agreement(ref_together, test))
+                greedy.append(
+                    {"variant": name, "dtype": dtype} | greedy_agreement(ref_together, test)
+                )
             del engine
             gc.collect()
     return {
