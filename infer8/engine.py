@@ -112,9 +112,13 @@ class LLMEngine:
             tail_dtype=model_config.dtype,
             hadamard=hadamard,
         )
-        # one ring row per seat: the tail's memory comes out of the KV budget
-        self.num_tail_rows = scheduler_config.max_num_seqs if tail_tokens else 0
         kv_bytes = self._kv_budget_bytes(args, model, model_config, scheduler_config)
+        # one exact-tail ring per seat, out of the KV budget; never more seats than the rest
+        # holds blocks (a small budget would otherwise go to rings)
+        self.num_tail_rows = 0
+        if tail_tokens:
+            per_seat = self.kv_spec.bytes_per_block + self.kv_spec.tail_bytes(1)
+            self.num_tail_rows = min(scheduler_config.max_num_seqs, max(1, kv_bytes // per_seat))
         self.num_blocks = self.kv_spec.num_blocks_for(kv_bytes, self.num_tail_rows)
         if tp_group is not None:  # every rank must hold every block id the scheduler hands out
             self.num_blocks = min(tp_group.exchange("num_blocks", self.num_blocks))
@@ -158,7 +162,7 @@ class LLMEngine:
         sched_cls = StaticScheduler if is_static else Scheduler
         self.scheduler: SchedulerBase = sched_cls(
             self.kv_cache_manager,
-            scheduler_config.max_num_seqs,
+            min(scheduler_config.max_num_seqs, self.num_tail_rows or scheduler_config.max_num_seqs),
             scheduler_config.max_num_batched_tokens,
         )
         self.runner = ModelRunner(

@@ -27,15 +27,13 @@ from typing import Any
 
 import torch
 
-from infer8.attention.exact_tail import resolve_exact_tail
 from infer8.bench.report import fmt, fmt_bytes, markdown_table
 from infer8.bench.throughput import bench_engine_args
 from infer8.bench.workload import LengthSpec, make_requests
-from infer8.config import EngineArgs, KVCacheDType, parse_dtype, resolve_device
+from infer8.config import EngineArgs, KVCacheDType, parse_dtype
 from infer8.core.kv_cache_manager import cdiv
 from infer8.engine import LLMEngine, resolve_model_path
 from infer8.models.loader import read_hf_config
-from infer8.quant import fp8
 from infer8.sampling_params import SamplingParams
 from infer8.worker.kv_cache import KVCacheSpec
 
@@ -69,26 +67,17 @@ def _estimate_blocks(args: EngineArgs) -> tuple[int, int] | None:
     model_dtype = parse_dtype(args.dtype) or torch.bfloat16
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     kv_dtype = KVCacheDType.parse(args.kv_cache_dtype).torch_dtype(model_dtype)
-    tail_tokens, _ = resolve_exact_tail(
-        args.kv_cache_exact_tail_tokens,
-        False,
-        is_fp8=kv_dtype in fp8.FP8_DTYPES,
-        is_reference_backend=resolve_device(args.device).type != "cuda",
-        has_static_scales=False,
-        head_dim=head_dim,
-    )
     spec = KVCacheSpec(
         num_layers=cfg["num_hidden_layers"],
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
         block_size=args.block_size,
         dtype=kv_dtype,
-        exact_tail_tokens=tail_tokens,
-        tail_dtype=model_dtype,
     )
     assert args.kv_cache_memory_bytes is not None
-    num_rows = args.max_num_seqs if tail_tokens else 0  # the exact tail's rings come first
-    return spec.num_blocks_for(args.kv_cache_memory_bytes, num_rows), args.block_size
+    # Without the exact tail's rings: they depend on the seats, which this estimate sizes (the
+    # engine built with those seats counts them, and the offer then has room to spare).
+    return spec.num_blocks_for(args.kv_cache_memory_bytes), args.block_size
 
 
 def measure_capacity(

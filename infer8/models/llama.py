@@ -184,7 +184,9 @@ class Attention(nn.Module):
         if meta.tail is None:
             o = self.backend.forward(q, cache, meta, self.scale)
         else:  # an FP8 cache's exact tail also reads this step's K/V unquantized
-            o = self.backend.forward(q, cache, meta, self.scale, k[:n], v[:n])  # type: ignore[call-arg]
+            o = self.backend.forward(  # type: ignore[call-arg]
+                q, cache, meta, self.scale, k[:n], v[:n]
+            )
         return self.o_proj(o.reshape(t, self.q_size))
 
 
