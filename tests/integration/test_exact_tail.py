@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from infer8 import LLM, SamplingParams
@@ -25,10 +24,10 @@ def _fp8_block_bytes(num_tail_rows: int, tail: int) -> tuple[int, int]:
     return spec.bytes_per_block, spec.tail_bytes(num_tail_rows)
 
 
-@pytest.mark.parametrize("hadamard", [False, True])
-def test_a_tail_covering_everything_matches_transformers(llama_dir: Path, hadamard: bool) -> None:
+def test_a_tail_covering_everything_matches_transformers(llama_dir: Path) -> None:
     # Every token stays in the exact window, so FP8 blocks are never read: the results must be
-    # transformers' (float32), through chunked prefill and preemption (12 blocks are too few).
+    # transformers' (float32), through chunked prefill and preemption (12 blocks are too few),
+    # with the Hadamard rotation on (it leaves scores and outputs unchanged).
     # Without prefix caching: a preempted request that resumes on a hit reads the hit quantized.
     block_bytes, tail_bytes = _fp8_block_bytes(6, 128)
     llm = LLM(
@@ -39,7 +38,7 @@ def test_a_tail_covering_everything_matches_transformers(llama_dir: Path, hadama
         max_num_batched_tokens=24,
         max_model_len=96,
         kv_cache_exact_tail_tokens=128,
-        kv_cache_hadamard=hadamard,
+        kv_cache_hadamard=True,
         **FP8,
     )
     assert llm.engine.num_blocks == 12  # the rings came out of the budget first
