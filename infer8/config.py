@@ -120,8 +120,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.kv_cache_exact_tail_tokens is not None and self.kv_cache_exact_tail_tokens < 0:
             raise ValueError(
-                "kv_cache_exact_tail_tokens must be >= 0, got "
-                f"{self.kv_cache_exact_tail_tokens}"
+                f"kv_cache_exact_tail_tokens must be >= 0, got {self.kv_cache_exact_tail_tokens}"
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
