@@ -113,8 +113,15 @@ class CacheConfig:
     kv_scale: str = "dynamic"
     kv_scales_path: str | None = None
     enable_prefix_caching: bool = True
+    # FP8 only (see attention/exact_tail.py): None = auto, resolved once by the engine.
+    kv_cache_exact_tail_tokens: int | None = None
+    kv_cache_hadamard: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_exact_tail_tokens is not None and self.kv_cache_exact_tail_tokens < 0:
+            raise ValueError(
+                f"kv_cache_exact_tail_tokens must be >= 0, got {self.kv_cache_exact_tail_tokens}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -179,6 +186,8 @@ class EngineArgs:
     kv_scale: str = "dynamic"
     kv_scales_path: str | None = None
     enable_prefix_caching: bool = True
+    kv_cache_exact_tail_tokens: int | None = None
+    kv_cache_hadamard: bool | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     scheduler: str = "continuous"
@@ -223,6 +232,8 @@ class EngineArgs:
             kv_scale=self.kv_scale,
             kv_scales_path=self.kv_scales_path,
             enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_exact_tail_tokens=self.kv_cache_exact_tail_tokens,
+            kv_cache_hadamard=self.kv_cache_hadamard,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer8.attention.exact_tail import describe_exact_tail, resolve_exact_tail
 from infer8.attention.torch_ref import AttentionBackend, TorchRefAttention
 from infer8.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from infer8.core.kv_cache_manager import KVCacheManager, cdiv
@@ -28,7 +29,7 @@ from infer8.models.default_model import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SAMPLI
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.models.loader import load_model
 from infer8.outputs import RequestOutput, RequestState, error_output
-from infer8.quant import kv_scales
+from infer8.quant import fp8, kv_scales
 from infer8.request import Request, RequestStatus
 from infer8.sampling_params import SamplingParams
 from infer8.structured_output.manager import StructuredOutputManager
@@ -116,15 +117,32 @@ class LLMEngine:
         )
         arch = model.config
         kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
+        tail_tokens, hadamard = resolve_exact_tail(
+            cache_config.kv_cache_exact_tail_tokens,
+            cache_config.kv_cache_hadamard,
+            is_fp8=kv_dtype in fp8.FP8_DTYPES,
+            is_reference_backend=model_config.device.type != "cuda",
+            has_static_scales=cache_config.kv_scale == "static",
+            head_dim=arch.head_dim,
+        )
         self.kv_spec = KVCacheSpec(
             num_layers=arch.num_hidden_layers,
             num_kv_heads=arch.num_key_value_heads,
             head_dim=arch.head_dim,
             block_size=cache_config.block_size,
             dtype=kv_dtype,
+            exact_tail_tokens=tail_tokens,
+            tail_dtype=model_config.dtype,
+            hadamard=hadamard,
         )
         kv_bytes = self._kv_budget_bytes(args, model, model_config, scheduler_config)
-        self.num_blocks = self.kv_spec.num_blocks_for(kv_bytes)
+        # one exact-tail ring per seat, out of the KV budget; never more seats than the rest
+        # holds blocks (a small budget would otherwise go to rings)
+        self.num_tail_rows = 0
+        if tail_tokens:
+            per_seat = self.kv_spec.bytes_per_block + self.kv_spec.tail_bytes(1)
+            self.num_tail_rows = min(scheduler_config.max_num_seqs, max(1, kv_bytes // per_seat))
+        self.num_blocks = self.kv_spec.num_blocks_for(kv_bytes, self.num_tail_rows)
         if tp_group is not None:  # every rank must hold every block id the scheduler hands out
             self.num_blocks = min(tp_group.exchange("num_blocks", self.num_blocks))
         if self.num_blocks < 1:
@@ -139,19 +157,23 @@ class LLMEngine:
         model_config = dataclasses.replace(model_config, max_model_len=self.max_model_len)
         self.model_config = model_config
         model.rope_tables(self.max_model_len, model_config.device, model_config.dtype)
-        kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, model_config.device)
+        kv_caches = allocate_kv_cache(
+            self.kv_spec, self.num_blocks, model_config.device, self.num_tail_rows
+        )
         self.kv_caches = kv_caches
         self.kv_scale_source = self._setup_kv_scales(ckpt_kv_scales)
         self.attn_backend = self._attention_backend(model_config)
         model.set_attention_backend(self.attn_backend)
-        gib = self.num_blocks * self.kv_spec.bytes_per_block / GiB
+        tail_bytes = self.kv_spec.tail_bytes(self.num_tail_rows)
+        gib = (self.num_blocks * self.kv_spec.bytes_per_block + tail_bytes) / GiB
         dtype_name = str(kv_dtype).removeprefix("torch.")
         per_request_blocks = cdiv(self.max_model_len, cache_config.block_size)
         print(
             f"KV cache: {self.num_blocks} blocks x {cache_config.block_size} tokens = "
             f"{capacity_tokens} tokens, {gib:.2f} GiB, dtype {dtype_name}; maximum concurrency "
             f"for {self.max_model_len} tokens per request: "
-            f"{self.num_blocks / per_request_blocks:.2f}x",
+            f"{self.num_blocks / per_request_blocks:.2f}x"
+            + describe_exact_tail(self.kv_spec, self.num_tail_rows),
             flush=True,
         )
         self.model: LlamaForCausalLM = model
@@ -165,6 +187,7 @@ class LLMEngine:
             self.tokenizer.eos_token_ids,
             seed=model_config.seed,
             is_driver=tp_group is None or tp_group.rank == 0,
+            exact_tail_tokens=tail_tokens,
         )
         # Grammars compile on first use (xgrammar loads lazily); rank 0's runner masks logits.
         self.structured_output = StructuredOutputManager(self.tokenizer, model.config.vocab_size)
@@ -173,6 +196,7 @@ class LLMEngine:
             model_config.device.type == "cuda"
             and not model_config.enforce_eager
             and tp_group is None
+            and not self.uses_exact_tail
         ):
             # Decode steps replay captured CUDA graphs per batch bucket (vLLM's default);
             # --enforce-eager turns this off. Untested here: no GPU was available.
@@ -204,9 +228,11 @@ class LLMEngine:
             enable_caching=self.cache_config.enable_prefix_caching and not is_static,
         )
         sched_cls = StaticScheduler if is_static else Scheduler
+        max_num_seqs = self.scheduler_config.max_num_seqs
         scheduler = sched_cls(
             kv_cache_manager,
-            self.scheduler_config.max_num_seqs,
+            # an FP8 exact tail holds one ring row (a seat) per running request
+            min(max_num_seqs, self.num_tail_rows or max_num_seqs),
             self.scheduler_config.max_num_batched_tokens,
         )
         return kv_cache_manager, scheduler
@@ -226,6 +252,8 @@ class LLMEngine:
             raise RuntimeError("a tensor-parallel engine cannot be reset in-process")
         self.kv_cache_manager, self.scheduler = self._build_scheduler()
         self.runner.states.clear()
+        if self.runner.tail_rows is not None:  # every ring row is free again
+            self.runner.tail_rows.release_all()
         for req_id in self.req_states:
             self.structured_output.remove_request(req_id)
         self.req_states.clear()
@@ -233,16 +261,24 @@ class LLMEngine:
 
     def _attention_backend(self, model_config: ModelConfig) -> AttentionBackend:
         """Choose the attention backend once: Triton kernels on CUDA, the torch reference on CPU."""
-        if model_config.device.type == "cuda":
+        if model_config.device.type == "cuda" and not self.uses_exact_tail:
             from infer8.attention.triton_paged import TritonAttention
 
             return TritonAttention(model_config.device)
+        if model_config.device.type == "cuda":  # the kernels read no exact tail yet
+            logger.warning("exact tail / rotated keys: using the reference attention on CUDA")
+            return TorchRefAttention(use_compile=not model_config.enforce_eager)
         fp8 = self.kv_spec.is_fp8
         # On CPU the native kernels gather (and dequantize FP8) blocks over all threads; without
         # a C compiler, FP8 falls back to compiled torch dequantization.
         return TorchRefAttention(
             use_compile=fp8 and not model_config.enforce_eager, use_native=True
         )
+
+    @property
+    def uses_exact_tail(self) -> bool:
+        """Return whether the FP8 cache keeps an exact tail or rotates keys."""
+        return self.kv_spec.exact_tail_tokens > 0 or self.kv_spec.hadamard
 
     def _setup_kv_scales(self, ckpt_scales: dict[int, dict[str, torch.Tensor]]) -> str:
         """Install static FP8 scales if asked for; return where scales come from.

@@ -240,6 +240,8 @@ class PlanInputs:
     max_num_batched_tokens: int = 2048
     activation_reserve_bytes: int | None = None  # None: the engine's estimate
     use_kv_scales: bool = True
+    # FP8 exact tail: max_num_seqs rings of N - 1 bf16 tokens (0: the engine's auto on CUDA)
+    kv_cache_exact_tail_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -299,6 +301,15 @@ def kv_bytes_per_token(inputs: PlanInputs, num_kv_heads: int) -> int:
     if inputs.is_fp8_kv and inputs.use_kv_scales:
         per_layer += 2 * num_kv_heads * BF16_BYTES  # one bf16 scale per token per head, K and V
     return per_layer * m.num_hidden_layers
+
+
+def exact_tail_bytes(inputs: PlanInputs) -> int:
+    """Return one device's FP8 exact-tail rings: max_num_seqs x (N - 1) bf16 tokens."""
+    if not inputs.is_fp8_kv or inputs.kv_cache_exact_tail_tokens < 2:
+        return 0
+    m = inputs.model
+    per_token = 2 * inputs.num_kv_heads_per_device * m.head_dim * BF16_BYTES * m.num_hidden_layers
+    return inputs.max_num_seqs * (inputs.kv_cache_exact_tail_tokens - 1) * per_token
 
 
 def estimate_activation_bytes(inputs: PlanInputs) -> int:
@@ -361,6 +372,8 @@ class Plan:
             "max_model_len": i.context_len,
             "block_size": i.block_size,
             "max_num_seqs": i.max_num_seqs,
+            "kv_cache_exact_tail_tokens": i.kv_cache_exact_tail_tokens,
+            "kv_exact_tail_bytes_per_device": exact_tail_bytes(i),
             "max_num_batched_tokens": i.max_num_batched_tokens,
             "weights_gib_per_device": _gib(self.weight_bytes_per_device),
             "usable_gib_per_device": _gib(self.usable_bytes),
@@ -393,7 +406,8 @@ def plan_capacity(inputs: PlanInputs) -> Plan:
     kv_budget = usable - weights - reserve
     per_token = kv_bytes_per_token(inputs, inputs.model.num_key_value_heads)
     per_token_device = kv_bytes_per_token(inputs, inputs.num_kv_heads_per_device)
-    num_blocks = max(0, kv_budget) // (per_token_device * inputs.block_size)
+    tail_bytes = exact_tail_bytes(inputs)
+    num_blocks = max(0, kv_budget - tail_bytes) // (per_token_device * inputs.block_size)
     max_kv_tokens = num_blocks * inputs.block_size
     blocks_per_session = math.ceil(inputs.context_len / inputs.block_size)
     sessions = num_blocks // blocks_per_session
@@ -615,6 +629,13 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="context length per session (default: the model's max_position_embeddings)",
     )
+    parser.add_argument(
+        "--kv-cache-exact-tail-tokens",
+        type=int,
+        default=0,
+        help="FP8 KV: exact tail window; its rings (max_num_seqs x (N-1) bf16 tokens) come out "
+        "of the KV budget (default: 0, the engine's auto on CUDA; 16 on CPU)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -671,6 +692,7 @@ def plan_inputs_from(ns: argparse.Namespace) -> list[PlanInputs]:
             max_num_batched_tokens=ns.max_num_batched_tokens,
             activation_reserve_bytes=reserve,
             use_kv_scales=ns.kv_scales,
+            kv_cache_exact_tail_tokens=ns.kv_cache_exact_tail_tokens,
         )
         for weight_dtype in ns.weight_dtype
         for kv_cache_dtype in ns.kv_cache_dtype

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from infer8.attention.exact_tail import TailMetadata
 
 
 @dataclass
@@ -35,6 +39,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor  # [num_decode, 1, 1, max_decode_blocks * block_size] bool
     # Everything else (prefill chunks) is attended one sequence at a time.
     prefill_seq_ids: list[int]
+    # FP8 cache with an exact tail: set by the model runner after building (exact_tail.py).
+    tail: TailMetadata | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from infer8.attention import exact_tail
 from infer8.attention.cpu_native import NativeFP8Gather
 from infer8.attention.metadata import AttentionMetadata
 from infer8.quant import fp8
@@ -100,6 +101,10 @@ class TorchRefAttention:
         k, v: [num_real_tokens, num_kv_heads, head_dim]
         """
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        if cache.k_rotation is not None:
+            k = exact_tail.rotate(k, cache.k_rotation)
+            if cache.rotate_values:
+                v = exact_tail.rotate(v, cache.k_rotation)
         if cache.k_amax is not None:  # calibration: per-channel running amax
             torch.maximum(cache.k_amax, k.abs().amax(dim=0).float(), out=cache.k_amax)
             torch.maximum(cache.v_amax, v.abs().amax(dim=0).float(), out=cache.v_amax)
@@ -184,7 +189,12 @@ class TorchRefAttention:
         return self._dequantize(blocks, scale, out_dtype)
 
     def _decode(
-        self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attend one query token per sequence over its cached context, GQA-aware.
 
@@ -195,6 +205,12 @@ class TorchRefAttention:
         table = meta.decode_block_tables
         k = self._read(cache.k, cache.k_scale, cache.k_static_scale, table, q.dtype, "k")
         v = self._read(cache.v, cache.v_scale, cache.v_static_scale, table, q.dtype, "v")
+        if new_kv is not None:  # the exact tail replaces the last W dequantized positions
+            assert meta.tail is not None and cache.k_tail is not None and cache.v_tail is not None
+            seq_lens = meta.decode_mask.view(q.shape[0], -1).sum(-1)
+            exact_tail.overlay_decode(
+                k, v, cache.k_tail, cache.v_tail, *new_kv, seq_lens, meta.tail
+            )
         b, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[0]  # k, v: [KVH, B, L, D]
         group = num_heads // num_kv_heads
@@ -210,20 +226,57 @@ class TorchRefAttention:
         return out.view(b, num_heads, head_dim)
 
     def forward(
-        self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        k_new: torch.Tensor | None = None,
+        v_new: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend each sequence's new tokens over its cached context (causal within the chunk).
 
         q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]; padding
-        tokens (index >= meta.num_real_tokens) get zeros.
+        tokens (index >= meta.num_real_tokens) get zeros. With an exact tail (meta.tail),
+        k_new / v_new are this step's K/V ([num_real_tokens, num_kv_heads, head_dim]): the
+        window's exact values (see exact_tail.py); the rings are updated afterwards.
         """
+        if cache.k_rotation is not None:
+            q = exact_tail.rotate(q, cache.k_rotation)
+            if k_new is not None:
+                k_new = exact_tail.rotate(k_new, cache.k_rotation)
+            if v_new is not None and cache.rotate_values:
+                v_new = exact_tail.rotate(v_new, cache.k_rotation)
+        if meta.tail is None:
+            out = self._attend(q, cache, meta, scale, None, None)
+        else:
+            assert k_new is not None and v_new is not None
+            out = self._attend(q, cache, meta, scale, k_new, v_new)
+            assert cache.k_tail is not None and cache.v_tail is not None
+            exact_tail.write_ring(cache.k_tail, cache.v_tail, k_new, v_new, meta.tail)
+        if cache.k_rotation is not None and cache.rotate_values:
+            out = exact_tail.rotate(out, cache.k_rotation)  # H is its own inverse
+        return out
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None,
+    ) -> torch.Tensor:
         out = torch.zeros_like(q)
         dtype = q.dtype
+        tail = meta.tail
         if meta.decode_seq_ids:
-            o = self._decode(q[meta.decode_token_ids], cache, meta, scale)
+            ids = meta.decode_token_ids
+            new_kv = None if k_new is None or v_new is None else (k_new[ids], v_new[ids])
+            o = self._decode(q[ids], cache, meta, scale, new_kv)
             if len(meta.decode_seq_ids) == q.shape[0]:
                 return o  # an all-decode batch: token i is sequence i
-            out[meta.decode_token_ids] = o
+            out[ids] = o
         for i in meta.prefill_seq_ids:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             q_len, seq_len = end - start, meta.seq_lens[i]
@@ -233,7 +286,21 @@ class TorchRefAttention:
             v = self._read(cache.v, cache.v_scale, cache.v_static_scale, table, dtype)[:, :seq_len]
             qs = q[start:end].transpose(0, 1)  # [H, q_len, D]
             mask = None
-            if q_len != seq_len:
+            if tail is not None:
+                assert k_new is not None and v_new is not None
+                assert cache.k_tail is not None and cache.v_tail is not None
+                k, v, mask = exact_tail.prefill_kv_and_mask(
+                    k,
+                    v,
+                    cache.k_tail,
+                    cache.v_tail,
+                    k_new[start:end],
+                    v_new[start:end],
+                    tail.ring_read_slots[i],
+                    tail.exact_starts[i],
+                    tail.window,
+                )
+            elif q_len != seq_len:
                 # query j sits at position seq_len - q_len + j and sees keys up to it
                 rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
                 mask = torch.arange(seq_len, device=q.device)[None, :] <= rows

@@ -65,14 +65,18 @@ def _estimate_blocks(args: EngineArgs) -> tuple[int, int] | None:
         return None  # a GGUF file: let a probe engine tell
     num_heads = cfg["num_attention_heads"]
     model_dtype = parse_dtype(args.dtype) or torch.bfloat16
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    kv_dtype = KVCacheDType.parse(args.kv_cache_dtype).torch_dtype(model_dtype)
     spec = KVCacheSpec(
         num_layers=cfg["num_hidden_layers"],
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        head_dim=head_dim,
         block_size=args.block_size,
-        dtype=KVCacheDType.parse(args.kv_cache_dtype).torch_dtype(model_dtype),
+        dtype=kv_dtype,
     )
     assert args.kv_cache_memory_bytes is not None
+    # Without the exact tail's rings: they depend on the seats, which this estimate sizes (the
+    # engine built with those seats counts them, and the offer then has room to spare).
     return spec.num_blocks_for(args.kv_cache_memory_bytes), args.block_size
 
 
@@ -161,6 +165,8 @@ def measure_capacity(
         "kv_storage_dtype": str(engine.kv_spec.dtype).removeprefix("torch."),
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "kv_bytes_per_token": engine.kv_spec.bytes_per_token,
+        "kv_exact_tail_tokens": engine.kv_spec.exact_tail_tokens,
+        "kv_exact_tail_bytes": engine.kv_spec.tail_bytes(engine.num_tail_rows),
         "num_kv_blocks": num_blocks,
         "block_size": block_size,
         "context_len": context_len,

@@ -39,6 +39,10 @@ HELP: dict[str, str] = {
     "gpu_memory_utilization": "fraction of device memory (RAM on CPU) for weights+activations+KV",
     "kv_scale": "FP8 KV scaling: dynamic per-token scales, or static per-layer scales",
     "kv_scales_path": "JSON file of static KV scales made by `infer8 calibrate-kv`",
+    "kv_cache_exact_tail_tokens": "FP8 cache: each sequence's last N tokens are read exactly "
+    "(compute dtype; costs max_num_seqs x (N-1) tokens of it); None = auto: 16 on CPU, 0 on CUDA",
+    "kv_cache_hadamard": "FP8 cache: Hadamard-rotate K/q and V/output per head before "
+    "quantizing; None = auto: on for dynamic scales on CPU, off on CUDA",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes across requests "
     "(ignored by --scheduler static)",
     "max_num_seqs": "most requests in one batch",
@@ -134,8 +138,20 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
 def _cmd_eval_kv(ns: argparse.Namespace) -> int:
     from infer8.eval.kv_accuracy import format_kv_report, run_kv_eval
 
-    result = run_kv_eval(engine_args_from(ns), num_tokens=ns.num_tokens, text=ns.text)
-    print(format_kv_report(result))
+    if ns.variants:  # per-variant rows: E4M3 before/tail/Hadamard/default, E5M2
+        from infer8.eval.kv_variants import format_variants, run_kv_variants
+
+        result = run_kv_variants(
+            engine_args_from(ns),
+            num_tokens=ns.num_tokens,
+            texts=tuple(ns.texts.split(",")),
+            dtypes=tuple(ns.dtypes.split(",")),
+            greedy_tokens=ns.greedy_tokens,
+        )
+        print(format_variants(result))
+    else:
+        result = run_kv_eval(engine_args_from(ns), num_tokens=ns.num_tokens, text=ns.text)
+        print(format_kv_report(result))
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=2))
         print(f"wrote {ns.json}")
@@ -184,6 +200,15 @@ def _add_eval_parsers(sub: Any) -> None:
     kv.add_argument("--num-tokens", type=int, default=2048)
     kv.add_argument("--text", default="areopagitica.txt", help="shipped text name or a file path")
     kv.add_argument("--json", default=None, help="write the result as JSON here")
+    kv.add_argument(
+        "--variants",
+        action="store_true",
+        help="rows for E4M3 (before / + exact tail / + Hadamard / default) and E5M2 per text "
+        "and dtype, plus greedy agreement on fixed chat prompts",
+    )
+    kv.add_argument("--texts", default="areopagitica.txt,hamlet_act1.txt", help="--variants")
+    kv.add_argument("--dtypes", default="float32,bfloat16", help="--variants: compute dtypes")
+    kv.add_argument("--greedy-tokens", type=int, default=96, help="--variants")
     gs = ev.add_parser("gsm8k", help="GSM8K exact match with each KV dtype (your JSONL file)")
     add_engine_args(gs)
     gs.set_defaults(func=_cmd_eval_gsm8k)

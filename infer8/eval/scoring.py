@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from infer8.attention.exact_tail import build_tail_metadata
 from infer8.attention.metadata import build_attention_metadata
 from infer8.engine import LLMEngine
 from infer8.request import Request
@@ -39,6 +40,17 @@ def score_tokens(engine: LLMEngine, token_ids: list[int], chunk_tokens: int = 51
             meta = build_attention_metadata(
                 [len(chunk)], [start], [block_ids], engine.cache_config.block_size, device
             )
+            if engine.kv_spec.exact_tail_tokens and engine.num_tail_rows:
+                # the engine is idle, so ring row 0 is free; exact from position 0
+                meta.tail = build_tail_metadata(
+                    engine.kv_spec.exact_tail_tokens,
+                    [0],
+                    [0],
+                    [len(chunk)],
+                    [start],
+                    meta.decode_seq_ids,
+                    device,
+                )
             hidden = engine.model(
                 torch.tensor(chunk, device=device),
                 torch.arange(start, start + len(chunk), device=device),

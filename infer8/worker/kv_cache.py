@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from infer8.attention.exact_tail import hadamard
 from infer8.quant import fp8
 
 
@@ -20,6 +21,10 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype  # storage dtype: bf16/fp16/fp32, or float8_e4m3fn / float8_e5m2
+    # FP8 exact tail (attention/exact_tail.py): window W, and the compute dtype its rings hold.
+    exact_tail_tokens: int = 0
+    tail_dtype: torch.dtype = torch.bfloat16
+    hadamard: bool = False
 
     @property
     def is_fp8(self) -> bool:
@@ -43,9 +48,20 @@ class KVCacheSpec:
         """Return bytes of one block over all layers."""
         return self.bytes_per_token * self.block_size
 
-    def num_blocks_for(self, memory_bytes: int) -> int:
-        """Return how many blocks fit a memory budget."""
-        return memory_bytes // self.bytes_per_block
+    @property
+    def tail_ring_tokens(self) -> int:
+        """Return exact tokens one sequence's ring holds (W - 1: its newest token is fresh)."""
+        return max(0, self.exact_tail_tokens - 1)
+
+    def tail_bytes(self, num_rows: int) -> int:
+        """Return the exact-tail rings' bytes over all layers for num_rows sequences."""
+        elem = torch.empty((), dtype=self.tail_dtype).element_size()
+        per_token = 2 * self.num_kv_heads * self.head_dim * elem * self.num_layers
+        return num_rows * self.tail_ring_tokens * per_token
+
+    def num_blocks_for(self, memory_bytes: int, num_tail_rows: int = 0) -> int:
+        """Return how many blocks fit a memory budget after the exact tail's rings."""
+        return max(0, memory_bytes - self.tail_bytes(num_tail_rows)) // self.bytes_per_block
 
 
 @dataclass
@@ -64,6 +80,11 @@ class LayerKVCache:
     # Calibration observers: per-channel running amax of K and V, [num_kv_heads, head_dim].
     k_amax: torch.Tensor | None = None
     v_amax: torch.Tensor | None = None
+    # Exact tail rings (attention/exact_tail.py), compute dtype: [num_kv_heads, rows, W - 1, d].
+    k_tail: torch.Tensor | None = None
+    v_tail: torch.Tensor | None = None
+    k_rotation: torch.Tensor | None = None  # [head_dim, head_dim] float32 Hadamard, K and q
+    rotate_values: bool = False
 
     @property
     def block_size(self) -> int:
@@ -85,10 +106,13 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def allocate_kv_cache(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device
+    spec: KVCacheSpec, num_blocks: int, device: torch.device, num_tail_rows: int = 0
 ) -> list[LayerKVCache]:
     """Allocate zeroed cache tensors for every layer (zeros: masked slots must not hold NaN)."""
     shape = (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
+    tail_shape = (spec.num_kv_heads, num_tail_rows, spec.tail_ring_tokens, spec.head_dim)
+    has_tail = spec.exact_tail_tokens > 0 and num_tail_rows > 0
+    rotation = hadamard(spec.head_dim, device) if spec.hadamard else None
     layers = []
     for _ in range(spec.num_layers):
         scale_shape = shape[:-1]
@@ -100,6 +124,14 @@ def allocate_kv_cache(
                 k_scale=_zeros(scale_shape, fp8.SCALE_DTYPE, device) if spec.is_fp8 else None,
                 v_scale=_zeros(scale_shape, fp8.SCALE_DTYPE, device) if spec.is_fp8 else None,
                 num_saturated=torch.zeros((), dtype=torch.int64, device=device),
+                k_tail=torch.zeros(tail_shape, dtype=spec.tail_dtype, device=device)
+                if has_tail
+                else None,
+                v_tail=torch.zeros(tail_shape, dtype=spec.tail_dtype, device=device)
+                if has_tail
+                else None,
+                k_rotation=rotation,
+                rotate_values=spec.hadamard,
             )
         )
     return layers

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer8.attention.metadata import build_attention_metadata
+from infer8.attention.exact_tail import TailRows, build_tail_metadata
+from infer8.attention.metadata import AttentionMetadata, build_attention_metadata
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.models.llama import LlamaForCausalLM
 from infer8.worker.kv_cache import LayerKVCache
@@ -29,6 +30,7 @@ class ModelRunner:
         eos_token_ids: list[int],
         seed: int = 0,
         is_driver: bool = True,
+        exact_tail_tokens: int = 0,
     ) -> None:
         # A tensor-parallel worker (is_driver False) runs the model but leaves sampling to rank 0.
         self.is_driver = is_driver
@@ -43,6 +45,27 @@ class ModelRunner:
         self.graph_runner: CUDAGraphDecodeRunner | None = None
         # Set by the engine: masks constrained rows' logits by their grammars before sampling.
         self.structured_output: StructuredOutputManager | None = None
+        # An FP8 cache's exact tail: one ring row per running request (a seat).
+        self.exact_tail_tokens = exact_tail_tokens
+        self.tail_rows: TailRows | None = None
+        if exact_tail_tokens and kv_caches and kv_caches[0].k_tail is not None:
+            self.tail_rows = TailRows(kv_caches[0].k_tail.shape[1])
+
+    def _add_tail_metadata(self, sched: SchedulerOutput, meta: AttentionMetadata) -> None:
+        """Give new (or resumed) requests a ring row and attach the tail's indices."""
+        assert self.tail_rows is not None
+        rows, starts = zip(
+            *(self.tail_rows.row_for(s.req_id, s.num_computed_tokens) for s in sched.scheduled)
+        )
+        meta.tail = build_tail_metadata(
+            self.exact_tail_tokens,
+            list(rows),
+            list(starts),
+            [s.num_new_tokens for s in sched.scheduled],
+            [s.num_computed_tokens for s in sched.scheduled],
+            meta.decode_seq_ids,
+            self.device,
+        )
 
     def _token_ids(self, state: SamplingState) -> list[int]:
         return state.prompt_token_ids + state.output_token_ids
@@ -52,6 +75,8 @@ class ModelRunner:
         """Run one step of the model over the scheduled tokens and sample where due."""
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
+        if self.tail_rows is not None:
+            self.tail_rows.release(sched.finished_req_ids + sched.preempted_req_ids)
         for new in sched.scheduled_new_reqs:
             p = new.sampling_params
             gen = None
@@ -80,6 +105,8 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
+        if self.tail_rows is not None:
+            self._add_tail_metadata(sched, meta)
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         if self.graph_runner is not None and self.graph_runner.can_run(meta, len(input_ids)):

@@ -157,7 +157,9 @@ def test_capacity_counts_match_the_block_arithmetic(capacity: dict[str, Any]) ->
     budget = capacity["kv_cache_memory_bytes"]
     for (sched, _), g in groups.items():
         bs = g["block_size"]
-        assert g["num_kv_blocks"] == budget // (g["kv_bytes_per_token"] * bs)
+        # an FP8 cache's exact-tail rings (one per seat) come out of the budget first
+        kv_budget = budget - g["kv_exact_tail_bytes"]
+        assert g["num_kv_blocks"] == kv_budget // (g["kv_bytes_per_token"] * bs)
         session_tokens = 100 if sched == "continuous" else 40 + 200  # static reserves the cap
         assert g["blocks_per_session"] == cdiv(session_tokens, bs)
         assert g["max_concurrent_sessions"] == g["num_kv_blocks"] // g["blocks_per_session"]
@@ -166,6 +168,7 @@ def test_capacity_counts_match_the_block_arithmetic(capacity: dict[str, Any]) ->
     for sched in ("static", "continuous"):
         wide, fp8 = groups[(sched, "bfloat16")], groups[(sched, "fp8_e4m3")]
         bytes_ratio = wide["kv_bytes_per_token"] / fp8["kv_bytes_per_token"]
+        bytes_ratio *= (budget - fp8["kv_exact_tail_bytes"]) / budget
         sessions_ratio = fp8["max_concurrent_sessions"] / wide["max_concurrent_sessions"]
         # equal up to whole blocks and whole sessions
         assert sessions_ratio == pytest.approx(bytes_ratio, rel=1 / wide["max_concurrent_sessions"])

@@ -126,8 +126,14 @@ def test_different_cache_salts_never_share(llama_dir: Path) -> None:
 def test_fp8_cached_blocks_keep_their_values_and_scales(llama_dir: Path) -> None:
     results = {}
     for enable in (True, False):
+        # Tail 0: with an exact tail, queries within W of a hit read the hit's last tokens
+        # quantized (test_exact_tail.py pins outputs when >= W tokens follow the hit).
         llm = _llm(
-            llama_dir, kv_cache_dtype="fp8_e4m3", enforce_eager=True, enable_prefix_caching=enable
+            llama_dir,
+            kv_cache_dtype="fp8_e4m3",
+            enforce_eager=True,
+            enable_prefix_caching=enable,
+            kv_cache_exact_tail_tokens=0,
         )
         out_first, _ = _generate(llm, [PREFIX + [9]])
         pool = llm.engine.kv_cache_manager.block_pool

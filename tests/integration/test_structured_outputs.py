@@ -114,14 +114,17 @@ def test_completed_grammar_ends_the_request_even_with_ignore_eos(llama_dir: Path
 
 
 def test_grammar_holds_with_fp8_cache_prefix_caching_and_preemption(llama_dir: Path) -> None:
-    # A KV cache of ~17 blocks x 16 tokens for 6 requests of ~80 tokens forces preemptions.
+    # ~17 blocks x 16 tokens for 6 requests of ~80 tokens forces preemptions; the rest of the
+    # budget holds the exact tail's ring rows (one per seat, 6 seats).
     llm = _llm(
         llama_dir,
         kv_cache_dtype="fp8",
         enable_prefix_caching=True,
-        kv_cache_memory_bytes=40_000,
+        kv_cache_memory_bytes=40_000 + 6 * 15 * 512,
+        max_num_seqs=6,
         max_model_len=128,
     )
+    assert llm.engine.num_tail_rows == 6 and 15 <= llm.engine.num_blocks <= 20
     params = [
         SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=JSON_PARAMS)
         for s in range(6)

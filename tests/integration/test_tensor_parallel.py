@@ -87,15 +87,18 @@ def _engine_kwargs(num_kv_heads: int, tp: int, kv_cache_dtype: str = "auto") -> 
     bytes_per_elem = 1 if kv_cache_dtype.startswith("fp8") else 4
     heads_per_rank = max(1, num_kv_heads // tp)
     per_token = NUM_LAYERS * 2 * heads_per_rank * HEAD_DIM * bytes_per_elem
+    tail_bytes = 0
     if bytes_per_elem == 1:
         per_token += NUM_LAYERS * 2 * heads_per_rank * 2  # bf16 scale per token and head
+        # the default exact tail: 6 seats x 15 float32 tokens per rank, before the blocks
+        tail_bytes = 6 * 15 * NUM_LAYERS * 2 * heads_per_rank * HEAD_DIM * 4
     return dict(
         dtype="float32",
         block_size=BLOCK_SIZE,
         max_num_seqs=6,
         max_num_batched_tokens=24,
         max_model_len=96,
-        kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_SIZE * per_token,
+        kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_SIZE * per_token + tail_bytes,
         kv_cache_dtype=kv_cache_dtype,
         tensor_parallel_size=tp,
     )

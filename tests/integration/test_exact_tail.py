@@ -1,0 +1,142 @@
+"""The FP8 cache's exact tail and Hadamard rotation, against transformers and across schedules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from infer8 import LLM, SamplingParams
+from infer8.config import EngineArgs
+from infer8.core.sched_output import SchedulerStats
+from infer8.engine import LLMEngine
+from infer8.eval.scoring import score_tokens
+from infer8.worker.kv_cache import KVCacheSpec
+from tests.integration.test_numerics import PROMPTS, _record_logits
+from tests.utils import hf_greedy, hf_model
+
+FP8 = dict(dtype="float32", kv_cache_dtype="fp8_e4m3", block_size=8)
+
+
+def _fp8_block_bytes(num_tail_rows: int, tail: int) -> tuple[int, int]:
+    """Return (bytes per FP8 block, tail ring bytes) of the tiny llama (2 layers, 2x16 KV)."""
+    spec = KVCacheSpec(2, 2, 16, 8, torch.float8_e4m3fn, tail, torch.float32)
+    return spec.bytes_per_block, spec.tail_bytes(num_tail_rows)
+
+
+def test_a_tail_covering_everything_matches_transformers(llama_dir: Path) -> None:
+    # Every token stays in the exact window, so FP8 blocks are never read: the results must be
+    # transformers' (float32), through chunked prefill and preemption (12 blocks are too few),
+    # with the Hadamard rotation on (it leaves scores and outputs unchanged).
+    # Without prefix caching: a preempted request that resumes on a hit reads the hit quantized.
+    block_bytes, tail_bytes = _fp8_block_bytes(6, 128)
+    llm = LLM(
+        str(llama_dir),
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=tail_bytes + 12 * block_bytes,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        max_model_len=96,
+        kv_cache_exact_tail_tokens=128,
+        kv_cache_hadamard=True,
+        **FP8,
+    )
+    assert llm.engine.num_blocks == 12  # the rings came out of the budget first
+    stats: list[SchedulerStats] = []
+    llm.engine.stat_loggers.append(stats.append)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert sum(s.num_preemptions for s in stats) > 0
+    ref = hf_model(llama_dir)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 20)
+
+    seen = _record_logits(llm)
+    prompt = PROMPTS[2]
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    generated = out[0].outputs[0].token_ids
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([prompt + generated[:-1]])).logits[0]
+    for i, ours in enumerate(seen):
+        err = (ours[0] - ref_logits[len(prompt) - 1 + i]).abs().max().item()
+        assert err < 1e-4, f"step {i}: max abs logits error {err}"
+
+
+def _score(engine: LLMEngine, tokens: list[int], chunk: int) -> torch.Tensor:
+    return score_tokens(engine, tokens, chunk_tokens=chunk)
+
+
+def test_tail_reads_the_same_whatever_the_chunking_and_beats_plain_fp8(llama_dir: Path) -> None:
+    tokens = [(7 * i + 3) % 500 + 5 for i in range(80)]
+    common = dict(model=str(llama_dir), kv_cache_memory_bytes=1 << 22, max_num_seqs=2, **FP8)
+    ref = _score(LLMEngine(EngineArgs(**{**common, "kv_cache_dtype": "auto"})), tokens, 80)
+    tail = LLMEngine(EngineArgs(kv_cache_exact_tail_tokens=6, kv_cache_hadamard=False, **common))
+    by_chunk = [_score(tail, tokens, c) for c in (1, 5, 80)]
+    for other in by_chunk[1:]:  # a query reads (a - 6, a] exactly, however it was scheduled
+        assert (other - by_chunk[0]).abs().max().item() < 1e-4
+    plain = LLMEngine(EngineArgs(kv_cache_exact_tail_tokens=0, kv_cache_hadamard=False, **common))
+    plain_lp = _score(plain, tokens, 80)
+
+    def kl(lp: torch.Tensor) -> float:
+        return (ref.exp() * (ref - lp)).sum(-1).mean().item()
+
+    assert 0 < kl(by_chunk[2]) < kl(plain_lp)
+    # the first 6 positions read only exact K/V: equal to the 32-bit cache
+    assert (by_chunk[2][:6] - ref[:6]).abs().max().item() < 1e-5
+
+
+def _generate(llm: LLM, prompts: list[list[int]], n: int = 16) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_tail_greedy_tokens_survive_chunking_preemption_and_prefix_hits(llama_dir: Path) -> None:
+    tail = dict(kv_cache_exact_tail_tokens=4, kv_cache_hadamard=True, max_model_len=96, **FP8)
+    roomy = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False, **tail)
+    expected = _generate(roomy, PROMPTS)
+    block_bytes, tail_bytes = _fp8_block_bytes(6, 4)
+    tight = LLM(
+        str(llama_dir),
+        kv_cache_memory_bytes=tail_bytes + 12 * block_bytes,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=False,
+        **tail,
+    )
+    stats: list[SchedulerStats] = []
+    tight.engine.stat_loggers.append(stats.append)
+    assert _generate(tight, PROMPTS) == expected
+    assert sum(s.num_preemptions for s in stats) > 0
+
+    # A prefix hit leaves >= W tokens to compute: the same tokens as without the cache.
+    shared = list(range(200, 240))  # five 8-token blocks
+    prompts = [shared + [7, 8, 9, 10, 11], shared + [12, 13, 14, 15, 16, 17]]
+    cached = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22, **tail)
+    cached_stats: list[SchedulerStats] = []
+    cached.engine.stat_loggers.append(cached_stats.append)
+    got = [_generate(cached, [p])[0] for p in prompts]
+    assert sum(s.num_prefix_cache_hits for s in cached_stats) == 40
+    assert got == _generate(roomy, prompts)
+
+
+def test_eval_kv_variants_reports_every_row(llama_dir: Path) -> None:
+    from infer8.eval.kv_variants import VARIANTS, format_variants, run_kv_variants
+
+    r = run_kv_variants(
+        EngineArgs(model=str(llama_dir), kv_cache_memory_bytes=1 << 22),
+        num_tokens=48,
+        dtypes=("float32",),
+        greedy_tokens=8,
+    )
+    assert [(x["variant"], x["text"]) for x in r["rows"]] == [
+        (v, t) for v in VARIANTS for t in ("areopagitica.txt", "hamlet_act1.txt")
+    ]
+    before, default = r["rows"][0], r["rows"][6]
+    assert before["exact_tail_tokens"] == 0 and not before["hadamard"]
+    assert default["exact_tail_tokens"] == 16 and default["hadamard"]
+    for row in r["rows"]:
+        assert 0 <= row["kl_mean"] < 0.5 and 0.5 < row["top1_agreement"] <= 1.0
+    assert len(r["greedy"]) == 1 + len(VARIANTS)
+    assert r["greedy"][0]["greedy_identical_prompts"] == 1.0  # a tiny fp32 model: no noise
+    assert "| e5m2 default (tail + Hadamard) | float32 | hamlet_act1.txt | 16 | yes |" in (
+        format_variants(r)
+    )
