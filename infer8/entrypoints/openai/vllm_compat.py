@@ -282,16 +282,15 @@ def apply_vllm_compat(ns: argparse.Namespace) -> tuple[dict[str, Any], list[str]
         if value is None:
             continue
         text = str(value)
+        shown = f"{compat.flag} {text}" if compat.takes_value else compat.flag
         if compat.status == "alias":
             assert compat.target is not None
             overrides[compat.target] = value
         elif compat.status == "ignored":
-            shown = compat.flag if not compat.takes_value else f"{compat.flag} {text}"
             warnings.append(f"warning: {shown} has no effect in infer8: {compat.reason}")
         elif compat.takes_value and text in compat.ok_values:
             continue  # the value says what infer8 does anyway
         else:
-            shown = compat.flag if not compat.takes_value else f"{compat.flag} {text}"
             raise ValueError(f"{shown} is not supported: {compat.reason}")
     return overrides, warnings
 
