@@ -106,6 +106,7 @@ function onStep(record) {
   $("stat-kv").textContent = ((100 * record.kv_used) / Math.max(1, total)).toFixed(0) + "%";
   $("stat-kv-blocks").textContent = record.kv_used + " used · " + record.kv_cached + " cached";
   if (record.saturated) drawSaturation(record.saturated);
+  drawTable();  // with the figures above, so the page never shows a batch and a table that disagree
   view.dirty = true;
 }
 
@@ -211,7 +212,6 @@ function draw() {
     { color: "#c3a6ff", values: h.stepMs.map((v) => v || 0), fill: "rgba(195,166,255,.12)" },
   ], { windowSize: WINDOW, minMax: 10 });
   drawKvMap();
-  drawTable();
 }
 
 async function connect() {
