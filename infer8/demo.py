@@ -48,7 +48,7 @@ def _run_workload(llm: LLM, num_requests: int, seed: int) -> dict[str, float]:
 
 
 def run_demo(args: EngineArgs, num_requests: int = 16) -> int:
-    """Chat with the model, then compare static/continuous batching and bf16/fp8 KV caches."""
+    """Chat with the model, then compare static/continuous batching and 16-bit/fp8 KV caches."""
     # one fixed KV budget for every group, so capacities compare at equal memory
     if args.kv_cache_memory_bytes is None:
         args = dataclasses.replace(args, kv_cache_memory_bytes=512 << 20)
@@ -80,7 +80,7 @@ def run_demo(args: EngineArgs, num_requests: int = 16) -> int:
         )
     static, cont, f8 = (r[3]["output_tokens_per_s"] for r in rows)
     print(
-        f"continuous / static throughput: {cont / static:.2f}x; fp8 / bf16 KV capacity: "
+        f"continuous / static throughput: {cont / static:.2f}x; fp8 / {rows[1][1]} KV capacity: "
         f"{rows[2][2] / rows[1][2]:.2f}x at {f8 / cont:.2f}x the throughput"
     )
     print(

@@ -74,6 +74,10 @@ class LLMEngine:
         """Build the engine; tensor-parallel workers pass their group, rank 0 starts one."""
         model_path = resolve_model_path(args.model)
         model_config, cache_config, scheduler_config = args.create_configs(model_path)
+        if args.dtype == "auto" and model_config.dtype == torch.float32:
+            print(
+                "dtype auto: float32 (this CPU has no bf16 units; bf16 would be emulated, ~70x slower)"
+            )
         self.tp_executor: TensorParallelExecutor | None = None
         if tp_group is None and args.tensor_parallel_size > 1:
             # Rank 0 starts (or joins) ranks 1..N-1, which run this constructor on their shard.

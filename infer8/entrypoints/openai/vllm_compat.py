@@ -229,7 +229,7 @@ NATIVE_FLAGS: tuple[tuple[str, str], ...] = (
     ("--model / positional MODEL", "a local Hugging Face directory or .gguf file"),
     ("--served-model-name", "the name clients use (default: the --model string)"),
     ("--host, --port, --api-key, --uvicorn-log-level", "as in vLLM"),
-    ("--dtype", "auto = bfloat16 on CPU, the checkpoint's dtype on GPU"),
+    ("--dtype", "auto = bfloat16 on CPUs with bf16 units, else float32; bfloat16 on GPU"),
     ("--max-model-len, --seed, --enforce-eager", "as in vLLM"),
     (
         "--generation-config, --override-generation-config",
