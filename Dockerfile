@@ -30,11 +30,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
+# A C compiler at run time: Triton builds its CUDA launcher with it (against Python.h) on first
+# use, and the CPU FP8 gather kernel (infer8/csrc) is built with it; without one the GPU path
+# fails on the first request and the CPU path falls back to slower torch code.
 RUN set -eux; \
     apt-get update; \
-    apt-get install -y --no-install-recommends tini ca-certificates; \
+    apt-get install -y --no-install-recommends tini ca-certificates gcc libc6-dev; \
     if ! python3 -c "import ensurepip" 2>/dev/null; then \
-        apt-get install -y --no-install-recommends python3 python3-venv; \
+        apt-get install -y --no-install-recommends python3 python3-venv python3-dev; \
     fi; \
     rm -rf /var/lib/apt/lists/*; \
     python3 -m venv /opt/venv

@@ -1,5 +1,9 @@
-"""One prepared GPU run (< 8 minutes on an H100/H200): are the Triton kernels right, and fast?
+"""One prepared GPU run (< 8 minutes on an H100/H200): is the GPU path right, and fast?
 
+0. `pytest tests/gpu` (kernels and CUDA graphs against the reference), then an engine smoke
+   test on a small random-weight model: greedy tokens with CUDA graphs == eager == the CPU
+   reference (float32), an FP8 KV cache, a prefix-cache hit, and TP=2 == TP=1 when two GPUs
+   are present;
 1. kernels vs the PyTorch reference on the GPU (ragged mixed batches, GQA 1/4/7, head_dim
    64/128, bf16/fp16/fp8-e4m3/fp8-e5m2 caches, dynamic and static scales, write bit-exactness);
 2. the device's copy bandwidth (read + write) and a read-only sum;
@@ -9,8 +13,10 @@
 4. end-to-end decode of a Qwen2-7B-shaped model with random weights at batch 64 x 4K: bf16 vs
    fp8 cache, eager vs CUDA graphs (whose greedy tokens must match), then FP8 weights.
 
-No network, no checkpoint. Prints markdown tables and writes JSON (--out). Each section
-catches its own failure and the run continues; a time budget skips what would not fit.
+No network, no checkpoint. Prints markdown tables and writes JSON (--out) after every section.
+Each section catches its own failure and the run continues; a watchdog kills a section that
+hangs (the JSON so far stays), and a time budget skips what would not fit. The exit code is 1
+on any correctness failure or section error.
 
     python benchmarks/gpu_check.py --out gpu_check.json
 """
@@ -18,10 +24,12 @@ catches its own failure and the run continues; a time budget skips what would no
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -435,6 +443,113 @@ def end_to_end(
 # -- main ----------------------------------------------------------------------------------
 
 
+def write_smoke_model(out_dir: Path, seed: int = 0) -> Path:
+    """Write a small random-weight Qwen2-shaped model (config, safetensors, tokenizer)."""
+    from safetensors.torch import save_file
+
+    from infer8.models.gguf_loader import _expected_shapes
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.utils import build_tokenizer
+
+    config = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 512,
+        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+        "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "attention_bias": True, "bos_token_id": 1,
+        "eos_token_id": 4, "torch_dtype": "float32",
+    }  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in _expected_shapes(config).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape)
+        else:  # large enough that greedy tokens are decided by clear margins
+            weights[name] = torch.randn(shape, generator=gen) * (0.5 if "bias" in name else 0.08)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config))
+    build_tokenizer(out_dir, vocab_size=300)
+    return out_dir
+
+
+SMOKE_PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 90)), [300, 301, 302], list(range(100, 260))]
+
+
+def _greedy(model_dir: Path, device: str, **kwargs: Any) -> tuple[list[list[int]], Any]:
+    from infer8 import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), device=device, max_model_len=512, max_num_seqs=8,
+              kv_cache_memory_bytes=64 << 20, **kwargs)  # fmt: skip
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(SMOKE_PROMPTS, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def engine_smoke(device: torch.device, work_dir: Path) -> dict[str, Any]:
+    """Run the engine on `device` and check it against itself and the CPU reference."""
+    model_dir = write_smoke_model(work_dir / "smoke-model")
+    out: dict[str, Any] = {"failures": []}
+    dev = device.type
+    reference, _ = _greedy(model_dir, "cpu", dtype="float32")
+    eager32, _ = _greedy(model_dir, dev, dtype="float32", enforce_eager=True)
+    out["eager_fp32_matches_cpu_reference"] = eager32 == reference
+    if eager32 != reference:
+        out["failures"].append("float32 eager tokens differ from the CPU reference")
+    eager, _ = _greedy(model_dir, dev, dtype="bfloat16", enforce_eager=True)
+    graphs, _ = _greedy(model_dir, dev, dtype="bfloat16")
+    out["graphs_match_eager_bf16"] = graphs == eager
+    if graphs != eager:
+        out["failures"].append("CUDA-graph tokens differ from eager tokens (bf16)")
+    fp8, _ = _greedy(model_dir, dev, dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+    same = sum(a == b for p, q in zip(fp8, eager) for a, b in zip(p, q))
+    out["fp8_kv_token_agreement_with_bf16"] = same / sum(len(p) for p in eager)
+    # a prefix-cache hit: the same long prompt twice gives the same tokens, the second cached
+    from infer8 import SamplingParams
+
+    _, llm = _greedy(model_dir, dev, dtype="bfloat16")
+    stats: list[Any] = []
+    llm.engine.stat_loggers.append(stats.append)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    again = llm.generate([SMOKE_PROMPTS[3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    hits = sum(s.num_prefix_cache_hits for s in stats)
+    out["prefix_cache_hit_tokens"] = hits
+    if hits == 0 or again != eager[3][:8]:
+        out["failures"].append(
+            f"prefix cache: {hits} hit tokens, tokens equal: {again == eager[3][:8]}"
+        )
+    if dev == "cuda" and torch.cuda.device_count() >= 2:
+        tp2, llm2 = _greedy(model_dir, dev, dtype="float32", enforce_eager=True,
+                            tensor_parallel_size=2)  # fmt: skip
+        llm2.engine.executor.shutdown()
+        out["tp2_matches_tp1_fp32"] = tp2 == eager32
+        if tp2 != eager32:
+            out["failures"].append("TP=2 tokens differ from TP=1 (float32)")
+    else:
+        out["tp2_matches_tp1_fp32"] = "skipped: fewer than 2 GPUs"
+    _log("\n## engine smoke\n" + json.dumps(out, indent=1))
+    if out["failures"]:
+        raise AssertionError("; ".join(out["failures"]))
+    return out
+
+
+def run_gpu_tests(timeout_s: float = 240.0) -> dict[str, Any]:
+    """Run `pytest tests/gpu` in a subprocess; fail the section if any test fails."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "tests/gpu"],
+        cwd=root, capture_output=True, text=True, timeout=timeout_s,
+    )  # fmt: skip
+    tail = (result.stdout + result.stderr)[-3000:]
+    _log("\n## pytest tests/gpu\n" + tail)
+    if result.returncode != 0:
+        raise AssertionError(f"pytest tests/gpu exited {result.returncode}")
+    return {"returncode": result.returncode, "summary": tail.strip().splitlines()[-1]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON results")
@@ -475,27 +590,42 @@ def main() -> int:
         f"# infer8 gpu_check on {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}"
     )
 
-    def section(name: str, fn: Callable[[], Any]) -> Any:
+    def save() -> None:
+        RESULTS["total_s"] = time.perf_counter() - t_start
+        Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
+
+    def section(name: str, fn: Callable[[], Any], limit_s: float = 240.0) -> Any:
         elapsed = time.perf_counter() - t_start
         if elapsed > args.budget_s:
             RESULTS["errors"][name] = (
                 f"skipped: {elapsed:.0f}s past the {args.budget_s:.0f}s budget"
             )
             _log(f"\n(skipping {name}: time budget)")
+            save()
             return None
         t0 = time.perf_counter()
+        # the watchdog: a section that hangs prints every thread's stack and ends the run
+        RESULTS["errors"][name] = f"hung: killed by the watchdog after {limit_s:.0f}s"
+        save()
+        faulthandler.dump_traceback_later(limit_s, exit=True)
         try:
             out = fn()
             RESULTS["sections"][name] = out
+            del RESULTS["errors"][name]
             return out
         except Exception as e:  # one failing section must not hide the others' results
             RESULTS["errors"][name] = f"{type(e).__name__}: {e}"
             _log(f"\n{name} FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}")
             return None
         finally:
+            faulthandler.cancel_dump_traceback_later()
             _log(f"({name}: {time.perf_counter() - t0:.1f}s)")
             torch.cuda.empty_cache()
+            save()
 
+    section("pytest_gpu", run_gpu_tests, limit_s=300)
+    work_dir = Path(tempfile.mkdtemp(prefix="infer8-gpu-check-"))
+    section("engine_smoke", lambda: engine_smoke(device, work_dir), limit_s=240)
     section("kernels_vs_reference", lambda: check_kernels(device))
     bw = section("bandwidth", lambda: copy_bandwidth(device))
     copy_gbps = bw["copy_gb_per_s"] if bw else float("nan")
@@ -504,8 +634,7 @@ def main() -> int:
         lambda: decode_attention(device, copy_gbps, args.batch, args.context, not args.no_sweep),
     )
     section("end_to_end", lambda: end_to_end(device, args.batch, args.context, args.steps))
-    RESULTS["total_s"] = time.perf_counter() - t_start
-    Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
+    save()
     _log(f"\nwrote {args.out} ({RESULTS['total_s']:.0f}s total)")
     return 1 if RESULTS["errors"] else 0
 

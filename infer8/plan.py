@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infer8.worker import memory
+
 GiB = 1 << 30
 ASSUMPTIONS = (
     "weights / TP per device (fp8 and int4 quantize the decoder's projections; embeddings, "
@@ -314,13 +316,14 @@ def exact_tail_bytes(inputs: PlanInputs) -> int:
 
 def estimate_activation_bytes(inputs: PlanInputs) -> int:
     """Return the engine's activation reserve for the largest step, per TP rank."""
-    # Same formula as LLMEngine._kv_budget_bytes; the MLP's intermediate is split across ranks,
-    # the hidden states and the gathered logits are not.
     m = inputs.model
-    intermediate = m.intermediate_size // inputs.tensor_parallel_size
-    hidden_bytes = 4 * inputs.max_num_batched_tokens * (4 * m.hidden_size + 2 * intermediate) * 2
-    logits_bytes = inputs.max_num_seqs * m.vocab_size * 4 * 2
-    return hidden_bytes + logits_bytes
+    return memory.estimate_activation_bytes(
+        m.hidden_size,
+        m.intermediate_size // inputs.tensor_parallel_size,
+        m.vocab_size,
+        inputs.max_num_batched_tokens,
+        inputs.max_num_seqs,
+    )
 
 
 @dataclass(frozen=True)
@@ -403,7 +406,9 @@ def plan_capacity(inputs: PlanInputs) -> Plan:
     reserve = inputs.activation_reserve_bytes
     if reserve is None:
         reserve = estimate_activation_bytes(inputs)
-    kv_budget = usable - weights - reserve
+    kv_budget = memory.left_for_kv_bytes(
+        inputs.device.memory_bytes, inputs.gpu_memory_utilization, weights, reserve
+    )
     per_token = kv_bytes_per_token(inputs, inputs.model.num_key_value_heads)
     per_token_device = kv_bytes_per_token(inputs, inputs.num_kv_heads_per_device)
     tail_bytes = exact_tail_bytes(inputs)
@@ -412,6 +417,10 @@ def plan_capacity(inputs: PlanInputs) -> Plan:
     blocks_per_session = math.ceil(inputs.context_len / inputs.block_size)
     sessions = num_blocks // blocks_per_session
     problems: list[str] = []
+    if inputs.weight_dtype == "int4":  # the planner sizes it; the engine cannot run it
+        problems.append(
+            "infer8 runs bf16 and fp8 weights only: int4 is planned for comparison, not servable"
+        )
     where = (
         f"{usable / GiB:.2f} GiB usable per device ({inputs.gpu_memory_utilization} x "
         f"{inputs.device.memory_bytes / GiB:.2f} GiB)"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,18 +18,6 @@ Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 
 logger = logging.getLogger(__name__)
-
-
-class AttentionBackend(Protocol):
-    """What a model layer needs from attention: store K/V, then attend over the paged cache."""
-
-    def write_kv(
-        self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None: ...
-
-    def forward(
-        self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor: ...
 
 
 def _dequantize_eager(xq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -70,7 +70,7 @@ def run_compare(
                 requests = make_requests(
                     engine.tokenizer, num_requests, input_len, output_len, seed, engine.vocab_size
                 )
-                flops = ModelFlops.from_arch(engine.model.config)
+                flops = ModelFlops.from_arch(engine.worker.model.config)
                 dtype, device = engine.model_config.dtype, engine.model_config.device
                 hf_inputs = {
                     "dtype": dtype,

@@ -217,7 +217,7 @@ def run_throughput(
         peak = measure_matmul_peak(
             engine.model_config.dtype, engine.model_config.device, peak_matmul_size
         )
-    add_flops(run, ModelFlops.from_arch(engine.model.config), peak)
+    add_flops(run, ModelFlops.from_arch(engine.worker.model.config), peak)
     return {
         "bench": "throughput",
         "engine_args": dataclasses.asdict(args),

@@ -12,8 +12,9 @@ class NewRequestData:
     """A request the runner sees for the first time: what it needs to build inputs and sample."""
 
     req_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # with any tokens generated before a preemption
     sampling_params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -39,6 +40,9 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Static batching: dummy tokens computed to keep the padded batch rectangular.
     num_padding_tokens: int = 0
+    # The tokens sampled in the previous step (req_id -> token id), for requests the runner
+    # already knows: every rank appends them before building this step's inputs.
+    new_token_ids: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

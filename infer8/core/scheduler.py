@@ -33,6 +33,7 @@ class SchedulerBase:
         self.running: list[Request] = []
         self._seen_by_runner: set[str] = set()
         self._finished_since_last_step: list[str] = []
+        self._new_token_ids: dict[str, int] = {}  # sampled last step, sent with the next one
         self._stats = SchedulerStats()
 
     # -- request lifecycle ------------------------------------------------------------------
@@ -82,8 +83,11 @@ class SchedulerBase:
 
     # -- one step ----------------------------------------------------------------------------
     def _new_output(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        out = SchedulerOutput(
+            finished_req_ids=self._finished_since_last_step, new_token_ids=self._new_token_ids
+        )
         self._finished_since_last_step = []
+        self._new_token_ids = {}
         self._stats = SchedulerStats()
         return out
 
@@ -95,7 +99,10 @@ class SchedulerBase:
             self._seen_by_runner.add(request.request_id)
             out.scheduled_new_reqs.append(
                 NewRequestData(
-                    request.request_id, list(request.all_token_ids), request.sampling_params
+                    request.request_id,
+                    list(request.all_token_ids),
+                    request.sampling_params,
+                    request.eos_token_ids,
                 )
             )
         if request.first_scheduled_time_s is None:
@@ -129,6 +136,7 @@ class SchedulerBase:
             if token_id is None:
                 continue
             request.append_output_token(token_id)
+            self._new_token_ids[request.request_id] = token_id
             progressed.append((request, [token_id]))
             if request.is_finished:
                 self._on_finished(request)

@@ -14,20 +14,17 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Client
 
 import torch
 import torch.distributed as dist
 
 from infer8.config import EngineArgs, resolve_device
 from infer8.distributed.parallel_state import STARTUP_TIMEOUT_S
-from infer8.distributed.worker import run_worker
+from infer8.distributed.worker import ADDRESS_KEY, AUTHKEY_KEY, connect_to_driver, run_worker
 
 logger = logging.getLogger(__name__)
 
-# Store keys where rank 0 publishes its step connection.
-ADDRESS_KEY = "driver_address"
-AUTHKEY_KEY = "driver_authkey"
+__all__ = ["ADDRESS_KEY", "AUTHKEY_KEY", "LaunchEnv", "launched_env", "run_launched_worker"]
 
 
 @dataclass(frozen=True)
@@ -92,8 +89,6 @@ def run_launched_worker(args: EngineArgs, env: LaunchEnv) -> int:
     if resolve_device(args.device).type == "cuda":
         torch.cuda.set_device(env.local_rank)
     store = rendezvous_store(env)
-    host, port = store.get(ADDRESS_KEY).decode().rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(store.get(AUTHKEY_KEY).decode()))
-    conn.send(env.rank)
-    logger.info("tensor-parallel rank %d connected to rank 0 at %s:%s", env.rank, host, port)
+    conn = connect_to_driver(store, env.rank)
+    logger.info("tensor-parallel rank %d connected to rank 0", env.rank)
     return run_worker(args, store, env.rank, env.world_size, conn)

@@ -569,7 +569,7 @@ class AsyncLLMEngine:
             self.metrics.set_fp8_saturated(
                 sum(
                     int(c.num_saturated)
-                    for c in self.engine.kv_caches
+                    for c in self.engine.worker.kv_caches
                     if c.num_saturated is not None
                 )
             )

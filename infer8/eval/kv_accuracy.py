@@ -154,15 +154,15 @@ def calibrate_kv(
         eval_args(args, kv_cache_dtype="auto", kv_scale="dynamic", kv_scales_path=None)
     )
     spec = engine.kv_spec
-    for cache in engine.kv_caches:
+    for cache in engine.worker.kv_caches:
         cache.k_amax = torch.zeros(spec.num_kv_heads, spec.head_dim, device=cache.k.device)
         cache.v_amax = torch.zeros(spec.num_kv_heads, spec.head_dim, device=cache.k.device)
     tokens = engine.tokenizer.encode(load_text(text), add_special_tokens=False)[:num_tokens]
     window = engine.max_model_len
     for start in tqdm(range(0, len(tokens), window), desc="calibrate-kv"):
         score_tokens(engine, tokens[start : start + window])
-    k_amax = [c.k_amax for c in engine.kv_caches]  # type: ignore[misc]
-    v_amax = [c.v_amax for c in engine.kv_caches]  # type: ignore[misc]
+    k_amax = [c.k_amax for c in engine.worker.kv_caches]  # type: ignore[misc]
+    v_amax = [c.v_amax for c in engine.worker.kv_caches]  # type: ignore[misc]
     kv_scales.save_calibration(
         out, k_amax, v_amax, granularity, engine.model_config.model, len(tokens), margin
     )

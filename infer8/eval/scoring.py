@@ -20,7 +20,7 @@ def score_tokens(engine: LLMEngine, token_ids: list[int], chunk_tokens: int = 51
     reads the cache back, so the numbers include the cache's quantization error.
     """
     assert not engine.has_unfinished_requests(), "score on an idle engine"
-    if engine.tp_executor is not None:  # the model runs here alone: workers would not join
+    if engine.worker.tp_group is not None:  # the model runs here alone: workers would not join
         raise ValueError("scoring runs on one device; use --tensor-parallel-size 1")
     n = len(token_ids)
     if n > engine.max_model_len:
@@ -51,13 +51,13 @@ def score_tokens(engine: LLMEngine, token_ids: list[int], chunk_tokens: int = 51
                     meta.decode_seq_ids,
                     device,
                 )
-            hidden = engine.model(
+            hidden = engine.worker.model(
                 torch.tensor(chunk, device=device),
                 torch.arange(start, start + len(chunk), device=device),
                 meta,
-                engine.kv_caches,
+                engine.worker.kv_caches,
             )
-            out.append(torch.log_softmax(engine.model.compute_logits(hidden), dim=-1))
+            out.append(torch.log_softmax(engine.worker.model.compute_logits(hidden), dim=-1))
         return torch.cat(out)
     finally:
         manager.free(req_id)

@@ -9,12 +9,13 @@ produces; `convert_gguf_to_hf` writes it out as a regular Hugging Face model dir
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -105,32 +106,58 @@ _QWEN2_PRE = frozenset({"qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"})
 
 @dataclass(frozen=True)
 class GGUFModel:
-    """Owns one GGUF checkpoint converted to Hugging Face form: config, weights, tokenizer."""
+    """Owns one GGUF checkpoint read as Hugging Face form: config, tokenizer, lazy weights.
+
+    The weights stay in the memory-mapped file until `iter_weights` dequantizes them one
+    tensor at a time (loading never holds a second full copy); `state_dict` materializes all.
+    """
 
     hf_config: dict[str, Any]
-    state_dict: dict[str, torch.Tensor]
     tokenizer_json: str
     tokenizer_config: dict[str, Any]
     generation_config: dict[str, Any]
+    path: Path
+    tensors: dict[str, ReaderTensor]
+    dtype: torch.dtype = torch.float32
+
+    def iter_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (Hugging Face name, tensor in `dtype`), dequantizing one tensor at a time."""
+        return _iter_weights(self.tensors, self.hf_config, self.path, dtype or self.dtype)
+
+    @functools.cached_property
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Return every weight, dequantized to the dtype the file was loaded with."""
+        return dict(self.iter_weights())
 
 
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = False
 ) -> GGUFModel:
-    """Load a Llama or Qwen2 GGUF file, dequantizing its weights to `dtype`."""
+    """Read a Llama or Qwen2 GGUF file; its weights dequantize to `dtype` when iterated."""
     path = Path(path)
     reader = _open_reader(path)
     metadata = _read_metadata(reader, path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     hf_config = _build_hf_config(metadata, tensors, path, dtype)
-    state_dict = _load_state_dict(tensors, hf_config, path, dtype, progress)
-    return GGUFModel(
+    _check_tensor_names(tensors, hf_config, path)
+    model = GGUFModel(
         hf_config=hf_config,
-        state_dict=state_dict,
         tokenizer_json=_build_tokenizer_json(metadata, path),
         tokenizer_config=_build_tokenizer_config(metadata, hf_config),
         generation_config=_build_generation_config(metadata),
+        path=path,
+        tensors=tensors,
+        dtype=dtype,
     )
+    if progress:  # the converter wants the whole state dict now, with a progress bar
+        names = tqdm(total=len(tensors), desc=f"Loading {path.name}", unit="tensor")
+        state_dict = {}
+        for name, tensor in model.iter_weights():
+            state_dict[name] = tensor
+            names.update()
+        names.close()
+        model.__dict__["state_dict"] = state_dict
+    return model
 
 
 def gguf_hf_config(path: str | Path) -> dict[str, Any]:
@@ -371,14 +398,10 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{_LAYER_TENSOR_TO_HF[leaf]}.{suffix}"
 
 
-def _load_state_dict(
-    tensors: dict[str, ReaderTensor],
-    hf_config: dict[str, Any],
-    path: Path,
-    dtype: torch.dtype,
-    progress: bool,
-) -> dict[str, torch.Tensor]:
-    """Dequantize, rename, un-permute and shape-check every tensor of the file."""
+def _check_tensor_names(
+    tensors: dict[str, ReaderTensor], hf_config: dict[str, Any], path: Path
+) -> None:
+    """Refuse a file whose tensors are not exactly those the config's model needs."""
     expected = _expected_shapes(hf_config)
     gguf_to_hf = {name: hf_tensor_name(name) for name in tensors}
     unknown = sorted(name for name, hf_name in gguf_to_hf.items() if hf_name not in expected)
@@ -390,14 +413,21 @@ def _load_state_dict(
     missing = sorted(set(expected) - set(gguf_to_hf.values()))
     if missing:
         raise ValueError(f"{path} lacks the tensors for {_preview(missing)}")
+    for tensor in tensors.values():  # refused now, not halfway through loading the weights
+        _check_tensor_type(tensor, path)
+
+
+def _iter_weights(
+    tensors: dict[str, ReaderTensor], hf_config: dict[str, Any], path: Path, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantize, rename, un-permute and shape-check each tensor of the file, one at a time."""
+    expected = _expected_shapes(hf_config)
     # llama.cpp interleaves q/k rows per head for its rotary kernel; Qwen2 is converted as is.
     permute_rotary = hf_config["model_type"] == "llama"
-    state_dict: dict[str, torch.Tensor] = {}
-    names = tqdm(tensors, desc=f"Loading {path.name}", unit="tensor", disable=not progress)
-    for gguf_name in names:
-        hf_name = gguf_to_hf[gguf_name]
+    for gguf_name, reader_tensor in tensors.items():
+        hf_name = hf_tensor_name(gguf_name)
         assert hf_name is not None
-        tensor = torch.from_numpy(_dequantize(tensors[gguf_name], path))
+        tensor = torch.from_numpy(_dequantize(reader_tensor, path))
         if tuple(tensor.shape) != expected[hf_name]:
             raise ValueError(
                 f"{path}: tensor {gguf_name!r} has shape {tuple(tensor.shape)}, but the config "
@@ -407,18 +437,22 @@ def _load_state_dict(
             tensor = unpermute_rotary_rows(tensor, hf_config["num_attention_heads"])
         elif permute_rotary and ".self_attn.k_proj." in hf_name:
             tensor = unpermute_rotary_rows(tensor, hf_config["num_key_value_heads"])
-        state_dict[hf_name] = tensor.to(dtype).contiguous()
-    return state_dict
+        yield hf_name, tensor.to(dtype).contiguous()
 
 
-def _dequantize(tensor: ReaderTensor, path: Path) -> np.ndarray:
-    """Return a tensor's values as a fresh float32 array in PyTorch's (reversed GGUF) shape."""
+def _check_tensor_type(tensor: ReaderTensor, path: Path) -> None:
+    """Refuse a tensor type infer8 cannot dequantize, naming the tensor and the type."""
     if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
         supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
         raise ValueError(
             f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which infer8 "
             f"cannot load; supported types: {supported}"
         )
+
+
+def _dequantize(tensor: ReaderTensor, path: Path) -> np.ndarray:
+    """Return a tensor's values as a fresh float32 array in PyTorch's (reversed GGUF) shape."""
+    _check_tensor_type(tensor, path)
     # GGUF lists dimensions innermost first; PyTorch outermost first.
     shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
     try:

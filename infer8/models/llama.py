@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer8.attention.backend import AttentionBackend
 from infer8.attention.metadata import AttentionMetadata
-from infer8.attention.torch_ref import AttentionBackend, TorchRefAttention
+from infer8.attention.torch_ref import TorchRefAttention
 from infer8.distributed.layers import lm_head, row_parallel_linear, vocab_embedding
 from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.worker.kv_cache import LayerKVCache

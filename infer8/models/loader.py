@@ -37,6 +37,20 @@ _KV_SCALE_RE = re.compile(
 )
 
 
+def resolve_model_path(model: str | None) -> str:
+    """Return a local model path; None means the default model (fetched once, then cached)."""
+    if model is None:
+        from infer8.models.default_model import pull_default_model
+
+        return str(pull_default_model())
+    if not Path(model).exists():
+        raise ValueError(
+            f"model {model!r} is not a local path; infer8 loads a Hugging Face model directory "
+            "or a .gguf file (no hub downloads). Run `infer8 pull` for the default model."
+        )
+    return model
+
+
 def read_hf_config(model_path: Path) -> dict[str, Any]:
     """Read config.json of a model directory, with a clear error when it is missing."""
     path = model_path / "config.json"
@@ -160,8 +174,9 @@ def load_model(
         from infer8.models.gguf_loader import load_gguf
 
         if gguf is None:  # the engine passes one it already read (for the tokenizer too)
-            gguf = load_gguf(path, dtype=torch.float32)
-        hf_config, weights = gguf.hf_config, iter(gguf.state_dict.items())
+            gguf = load_gguf(path)
+        # dequantized one tensor at a time, straight into the target dtype
+        hf_config, weights = gguf.hf_config, gguf.iter_weights(dtype)
     else:
         hf_config = read_hf_config(path)
         from infer8.quant.fp8_linear import fp8_checkpoint_scheme, load_fp8_model
@@ -175,9 +190,11 @@ def load_model(
     if tp_group is not None:
         shard = TensorParallelShard(cfg, tp_group.rank, tp_group.world_size)
         cfg, weights = shard.rank_config(), shard.shard_weights(weights)
+    # Parameters get their dtype on the meta device, so the device never holds a float32 copy;
+    # each checkpoint tensor is then cast as it is copied in (one at a time).
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp_group)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     with torch.no_grad():

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer8.distributed.layers import RowParallelLinear
+from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.quant import fp8
 
@@ -37,10 +39,16 @@ def supports_scaled_mm(device: torch.device) -> bool:
 
 
 def quantize_weight(
-    weight: torch.Tensor, per_channel: bool = True
+    weight: torch.Tensor, per_channel: bool = True, amax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return an e4m3 weight [out, in] and its fp32 scales [out] (per-tensor: one value, repeated)."""
-    amax = weight.abs().amax(dim=1).float() if per_channel else weight.abs().amax().float()
+    """Return an e4m3 weight [out, in] and its fp32 scales [out] (per-tensor: one value, repeated).
+
+    `amax` ([out]) overrides the weight's own per-channel maxima (a row-parallel shard's).
+    """
+    if amax is None:
+        amax = weight.abs().amax(dim=1).float()
+    if not per_channel:
+        amax = amax.amax()
     scale = (amax / fp8.fp8_max(WEIGHT_DTYPE)).clamp_min(1e-12)
     scale = scale.expand(weight.shape[0]).contiguous()  # [out]
     return fp8.quantize(weight, scale[:, None], WEIGHT_DTYPE), scale
@@ -67,6 +75,8 @@ class Fp8Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.use_scaled_mm = use_scaled_mm
+        # Row-parallel under TP: this rank's partial sums are all-reduced.
+        self.group: TensorParallelGroup | None = None
         w = torch.empty((out_features, in_features), dtype=WEIGHT_DTYPE, device=device)
         self.register_buffer("weight", w)
         self.register_buffer("weight_scale", torch.ones(out_features, device=device))
@@ -81,7 +91,11 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, per_channel: bool = True, use_scaled_mm: bool = False
+        cls,
+        linear: nn.Linear,
+        per_channel: bool = True,
+        use_scaled_mm: bool = False,
+        amax: torch.Tensor | None = None,
     ) -> Fp8Linear:
         """Quantize a 16-bit nn.Linear (online FP8, like vLLM's --quantization fp8)."""
         weight = linear.weight
@@ -89,7 +103,7 @@ class Fp8Linear(nn.Module):
             linear.in_features, linear.out_features, linear.bias is not None,
             use_scaled_mm=use_scaled_mm, device=weight.device, dtype=weight.dtype,
         )  # fmt: skip
-        layer.weight, layer.weight_scale = quantize_weight(weight.detach(), per_channel)
+        layer.weight, layer.weight_scale = quantize_weight(weight.detach(), per_channel, amax)
         if linear.bias is not None:
             layer.bias = linear.bias
         return layer
@@ -118,7 +132,11 @@ class Fp8Linear(nn.Module):
         return fp8.quantize(x, scale, WEIGHT_DTYPE), scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return x @ W.T (+ bias) for x [..., in]."""
+        """Return x @ W.T (+ bias) for x [..., in] (summed over the ranks when row-parallel)."""
+        y = self._matmul(x)
+        return y if self.group is None else self.group.all_reduce(y)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.use_scaled_mm:
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         shape = x.shape
@@ -154,21 +172,33 @@ def _decoder_linears(model: LlamaForCausalLM) -> Iterator[tuple[nn.Module, str, 
 
 
 def _check_plain_linear(module: nn.Module, name: str) -> None:
-    """Refuse to swap anything but a plain nn.Linear (e.g. a tensor-parallel one)."""
-    if type(module) is not nn.Linear:
+    """Refuse to swap anything but a plain or row-parallel nn.Linear."""
+    if type(module) not in (nn.Linear, RowParallelLinear):
         raise ValueError(
-            f"FP8 weights replace plain nn.Linear layers; {name} is a {type(module).__name__} "
-            "(FP8 weights with tensor parallelism are not supported yet)"
+            f"FP8 weights replace plain nn.Linear layers; {name} is a {type(module).__name__}"
         )
 
 
 def quantize_model_weights(
     model: LlamaForCausalLM, per_channel: bool = True, use_scaled_mm: bool = False
 ) -> None:
-    """Replace every decoder nn.Linear by an Fp8Linear quantized from its weights, in place."""
+    """Replace every decoder nn.Linear by an Fp8Linear quantized from its weights, in place.
+
+    Under tensor parallelism the column-parallel shards (qkv, gate_up) quantize on their own
+    (their output channels are whole); a row-parallel shard (o_proj, down_proj) holds a slice
+    of each output channel's inputs, so its per-channel scales take the amax over every rank:
+    the dequantized weights equal TP=1's, and each rank's partial sum is all-reduced.
+    """
     for parent, name, linear in list(_decoder_linears(model)):
         _check_plain_linear(linear, name)
-        setattr(parent, name, Fp8Linear.from_linear(linear, per_channel, use_scaled_mm))
+        group = linear.group if isinstance(linear, RowParallelLinear) else None
+        amax = None
+        if group is not None:
+            local = linear.weight.detach().abs().amax(dim=1).float()  # [out]
+            amax = group.all_gather(local[:, None]).amax(dim=-1)  # [out], over every rank
+        layer = Fp8Linear.from_linear(linear, per_channel, use_scaled_mm, amax=amax)
+        layer.group = group
+        setattr(parent, name, layer)
 
 
 def set_use_scaled_mm(model: nn.Module, use_scaled_mm: bool) -> None:

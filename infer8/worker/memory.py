@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch-free at import: `infer8 plan` uses this module too
+    import torch
 
 GiB = 1 << 30
 # With no budget given on CPU, take at most this much RAM for the cache (vLLM's CPU default).
 CPU_DEFAULT_KV_BYTES = 4 * GiB
+# Kept back on CUDA for the decode graphs captured after the cache is allocated.
+CUDA_GRAPH_RESERVE_BYTES = GiB // 2
 
 
 @dataclass(frozen=True)
@@ -20,13 +27,21 @@ class MemoryPlan:
     need_bytes: int  # what max_num_seqs requests of max_model_len tokens would fill
     kv_bytes: int
     source: str  # "explicit" | "left" | "cpu cap" | "need"
+    other_bytes: int = 0  # held by other processes on the device (CUDA: mem_get_info)
+    graph_bytes: int = 0  # reserve for CUDA graphs
+    is_measured: bool = False  # activations from a profiled step, not the estimate
 
     def report(self, is_cpu: bool) -> str:
         """Return the start-up lines that say where every figure came from."""
         if self.source == "explicit":
             return f"Memory: KV cache budget {_gib(self.kv_bytes)} from --kv-cache-memory-bytes"
         usable = int(self.utilization * self.device_bytes)
-        left = usable - self.weight_bytes - self.activation_bytes
+        left = left_for_kv_bytes(
+            self.device_bytes,
+            self.utilization,
+            self.weight_bytes,
+            self.activation_bytes + self.other_bytes + self.graph_bytes,
+        )
         device = "RAM" if is_cpu else "device memory"
         why = {
             "left": "what is left",
@@ -34,12 +49,49 @@ class MemoryPlan:
             "to change it)",
             "need": "what --max-num-seqs x max-model-len can fill",
         }[self.source]
+        others = f"other processes {_gib(self.other_bytes)}; " if self.other_bytes else ""
+        graphs = f"CUDA graphs {_gib(self.graph_bytes)}; " if self.graph_bytes else ""
+        how = "measured" if self.is_measured else "estimated"
         return (
             f"Memory: {device} {_gib(self.device_bytes)} x --gpu-memory-utilization "
-            f"{self.utilization} = {_gib(usable)}; weights {_gib(self.weight_bytes)}; "
-            f"activations {_gib(self.activation_bytes)} (estimated); left {_gib(left)}; "
+            f"{self.utilization} = {_gib(usable)}; {others}weights {_gib(self.weight_bytes)}; "
+            f"activations {_gib(self.activation_bytes)} ({how}); {graphs}left {_gib(left)}; "
             f"KV cache {_gib(self.kv_bytes)}: {why}"
         )
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Return the device's total memory (RAM on CPU)."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def estimate_activation_bytes(
+    hidden_size: int,
+    intermediate_size: int,
+    vocab_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> int:
+    """Return the activation reserve of the largest step on one rank (engine and planner).
+
+    `intermediate_size` is this rank's share under tensor parallelism; the hidden states and
+    the gathered logits are not split. Hidden states, fused projections and logits, float32
+    (the widest compute dtype), twice over for the buffers a step keeps alive at once.
+    """
+    hidden_bytes = 4 * max_num_batched_tokens * (4 * hidden_size + 2 * intermediate_size) * 2
+    logits_bytes = max_num_seqs * vocab_size * 4 * 2
+    return hidden_bytes + logits_bytes
+
+
+def left_for_kv_bytes(
+    device_bytes: int, utilization: float, weight_bytes: int, activation_bytes: int
+) -> int:
+    """Return utilization x device memory minus weights and activations (negative: short)."""
+    return int(utilization * device_bytes) - weight_bytes - activation_bytes
 
 
 def plan_kv_memory(
@@ -50,26 +102,34 @@ def plan_kv_memory(
     need_bytes: int,
     is_cpu: bool,
     explicit_bytes: int | None = None,
+    other_bytes: int = 0,
+    graph_bytes: int = 0,
+    is_measured: bool = False,
 ) -> MemoryPlan:
     """Return the KV budget: explicit, else what is left, capped on CPU and by the need."""
+    figures = dict(other_bytes=other_bytes, graph_bytes=graph_bytes, is_measured=is_measured)
     if explicit_bytes is not None:
         return MemoryPlan(
             device_bytes, utilization, weight_bytes, activation_bytes, need_bytes,
-            explicit_bytes, "explicit",
+            explicit_bytes, "explicit", **figures,
         )  # fmt: skip
-    left = int(utilization * device_bytes) - weight_bytes - activation_bytes
+    reserved = activation_bytes + other_bytes + graph_bytes
+    left = left_for_kv_bytes(device_bytes, utilization, weight_bytes, reserved)
     if left <= 0:
         raise ValueError(
             f"no memory left for the KV cache: {_gib(device_bytes)} x {utilization} minus "
-            f"weights {_gib(weight_bytes)} and activations {_gib(activation_bytes)}"
+            f"weights {_gib(weight_bytes)}, activations {_gib(activation_bytes)}"
+            + (f", other processes {_gib(other_bytes)}" if other_bytes else "")
+            + (f", CUDA graphs {_gib(graph_bytes)}" if graph_bytes else "")
         )
     candidates = [(left, "left"), (need_bytes, "need")]
     if is_cpu:  # RAM is shared with everything else on the host
         candidates.append((CPU_DEFAULT_KV_BYTES, "cpu cap"))
     kv_bytes, source = min(candidates)
     return MemoryPlan(
-        device_bytes, utilization, weight_bytes, activation_bytes, need_bytes, kv_bytes, source
-    )
+        device_bytes, utilization, weight_bytes, activation_bytes, need_bytes, kv_bytes, source,
+        **figures,
+    )  # fmt: skip
 
 
 def _gib(num_bytes: int) -> str:

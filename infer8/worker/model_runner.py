@@ -27,7 +27,6 @@ class ModelRunner:
         kv_caches: list[LayerKVCache],
         block_size: int,
         device: torch.device,
-        eos_token_ids: list[int],
         seed: int = 0,
         is_driver: bool = True,
         exact_tail_tokens: int = 0,
@@ -38,10 +37,9 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(device, seed)
         self.states: dict[str, SamplingState] = {}
-        # Set by the engine on CUDA unless enforce_eager: replays captured decode graphs.
+        # Set by the worker on CUDA unless enforce_eager: replays captured decode graphs.
         self.graph_runner: CUDAGraphDecodeRunner | None = None
         # Set by the engine: masks constrained rows' logits by their grammars before sampling.
         self.structured_output: StructuredOutputManager | None = None
@@ -73,6 +71,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step of the model over the scheduled tokens and sample where due."""
+        # Last step's samples first: they are the inputs of this step's decodes.
+        for req_id, token_id in sched.new_token_ids.items():
+            state = self.states.get(req_id)
+            if state is not None:
+                state.output_token_ids.append(token_id)
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
         if self.tail_rows is not None:
@@ -82,7 +85,9 @@ class ModelRunner:
             gen = None
             if p.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(p.seed)
-            self.states[new.req_id] = SamplingState(p, list(new.prompt_token_ids), [], gen)
+            self.states[new.req_id] = SamplingState(
+                p, list(new.prompt_token_ids), [], gen, list(new.eos_token_ids)
+            )
         if sched.is_empty:
             return ModelRunnerOutput()
 
@@ -126,16 +131,15 @@ class ModelRunner:
         if self.structured_output is not None:
             req_ids = [sched.scheduled[i].req_id for i in sample_rows]
             self.structured_output.apply_bitmask(logits, req_ids)
-        sampled = self.sampler(logits, states, self.eos_token_ids)
+        sampled = self.sampler(logits, states)
         out = ModelRunnerOutput()
-        for j, (i, state) in enumerate(zip(sample_rows, states)):
+        for j, i in enumerate(sample_rows):
             req_id = sched.scheduled[i].req_id
             if j in sampled.errors:
                 out.failed_req_ids[req_id] = sampled.errors[j]
                 continue
-            token = sampled.token_ids[j]
-            state.output_token_ids.append(token)
-            out.sampled_token_ids[req_id] = token
+            # the token reaches this state (and every rank's) with the next SchedulerOutput
+            out.sampled_token_ids[req_id] = sampled.token_ids[j]
             lp = sampled.logprobs[j]
             if lp is not None:
                 out.logprobs[req_id] = lp

@@ -36,6 +36,7 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
 
     @property
     def needs_penalties(self) -> bool:
@@ -121,7 +122,10 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, states: list[SamplingState], eos_token_ids: list[int]
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        eos_token_ids: list[int] | tuple[int, ...] = (),
     ) -> SamplerOutput:
         """Sample a token per row of `logits` ([num_rows, vocab]); failed rows land in errors."""
         logits = logits.to(torch.float32, copy=True)  # [num_rows, vocab], our own copy
@@ -140,7 +144,8 @@ class Sampler:
             if not s.needs_penalties:
                 continue
             p = s.params
-            stop_ids = ([] if p.ignore_eos else eos_token_ids) + p.stop_token_ids
+            eos_ids = [*s.eos_token_ids, *eos_token_ids]  # the request's, plus any given here
+            stop_ids = ([] if p.ignore_eos else eos_ids) + p.stop_token_ids
             try:
                 _apply_penalties(processed[i], s, stop_ids)
             except Exception as e:  # noqa: BLE001 - one request's failure must stay its own

@@ -72,7 +72,7 @@ def test_scale_one_breaks_outlier_model_and_dynamic_scales_fix_it(
     one = LLM(
         str(model), kv_cache_dtype=kv_dtype, kv_scale="static", kv_scales_path=str(unit), **COMMON
     )
-    assert all(c.k_static_scale.max().item() == 1.0 for c in one.engine.kv_caches)
+    assert all(c.k_static_scale.max().item() == 1.0 for c in one.engine.worker.kv_caches)
     kl_one, top1_one = _kl_top1(ref, score_tokens(one.engine, SEQ))
     assert sum(one.engine.kv_saturation_counts()) > 0
     kl_dyn, top1_dyn = _kl_top1(ref, _score(model, kv_cache_dtype=kv_dtype))
@@ -116,8 +116,8 @@ def test_same_memory_budget_holds_about_twice_the_tokens(llama_dir: Path) -> Non
     assert f8.engine.num_blocks == budget // (16 * 2 * 72)
     ratio = f8.engine.num_blocks / bf16.engine.num_blocks
     assert ratio == pytest.approx(128 / 72, rel=0.01)  # 2x minus the scale overhead (head_dim 16)
-    assert f8.engine.kv_caches[0].k.dtype == torch.float8_e4m3fn
-    assert f8.engine.kv_caches[0].k.element_size() == 1
+    assert f8.engine.worker.kv_caches[0].k.dtype == torch.float8_e4m3fn
+    assert f8.engine.worker.kv_caches[0].k.element_size() == 1
 
 
 def test_static_scales_from_checkpoint_are_used(llama_dir: Path, tmp_path: Path) -> None:
@@ -136,8 +136,10 @@ def test_static_scales_from_checkpoint_are_used(llama_dir: Path, tmp_path: Path)
         kv_cache_memory_bytes=1 << 22,
     )
     assert llm.engine.kv_scale_source == "static (checkpoint)"
-    assert llm.engine.kv_caches[1].k_static_scale.item() == pytest.approx(0.02)
-    assert llm.engine.kv_caches[0].v_static_scale.flatten().tolist() == pytest.approx([0.02, 0.03])
+    assert llm.engine.worker.kv_caches[1].k_static_scale.item() == pytest.approx(0.02)
+    assert llm.engine.worker.kv_caches[0].v_static_scale.flatten().tolist() == pytest.approx(
+        [0.02, 0.03]
+    )
     ref = _tokens(LLM(str(d), dtype="float32", kv_cache_memory_bytes=1 << 22))
     out = _tokens(llm)
     matched = sum(a == b for x, y in zip(ref, out) for a, b in zip(x, y))
@@ -157,7 +159,7 @@ def test_static_mode_without_scales_says_so_and_never_uses_one(
     err = capsys.readouterr().err
     assert "WARNING" in err and "NOT using a scale of 1.0" in err
     assert llm.engine.kv_scale_source == "dynamic (static scales missing)"
-    assert all(c.k_static_scale is None for c in llm.engine.kv_caches)
+    assert all(c.k_static_scale is None for c in llm.engine.worker.kv_caches)
 
 
 def test_compiled_dequantization_gives_the_same_outputs_as_eager(llama_dir: Path) -> None:
@@ -183,7 +185,7 @@ def test_fp8_weight_checkpoint_serves_through_the_engine(llama_dir: Path, tmp_pa
     fp8_dir = tmp_path / "fp8_weights"
     save_fp8_checkpoint(llama_dir, fp8_dir, per_channel=True)
     llm = LLM(str(fp8_dir), **COMMON)
-    assert any(isinstance(m, Fp8Linear) for m in llm.engine.model.modules())
+    assert any(isinstance(m, Fp8Linear) for m in llm.engine.worker.model.modules())
     out = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
     # FP8 weights (3 mantissa bits, per-channel scales) stay close to the 32-bit model

@@ -23,7 +23,7 @@ PROMPTS = [
 
 def _record_logits(llm: LLM) -> list[torch.Tensor]:
     """Wrap compute_logits to keep every step's logits."""
-    model = llm.engine.model
+    model = llm.engine.worker.model
     seen: list[torch.Tensor] = []
     orig = model.compute_logits
 

@@ -150,7 +150,7 @@ def test_fp8_cached_blocks_keep_their_values_and_scales(llama_dir: Path) -> None
 def _cached_bits(llm: LLM, block_ids: torch.Tensor) -> list[torch.Tensor]:
     """Return the raw bits of K, V and their FP8 scales in these blocks, for every layer."""
     out = []
-    for cache in llm.engine.kv_caches:
+    for cache in llm.engine.worker.kv_caches:
         for t in (cache.k, cache.v, cache.k_scale, cache.v_scale):
             assert t is not None
             blocks = t.index_select(1, block_ids)
@@ -172,8 +172,8 @@ def test_tensor_parallel_ranks_follow_the_schedulers_prefix_hits(llama_dir: Path
         assert _hits(stats) == 64 and stats[0].num_scheduled_tokens == 5
         assert [out_first, out_second] == expected
     finally:
-        assert llm.engine.tp_executor is not None
-        llm.engine.tp_executor.shutdown()
+        assert llm.engine.executor is not None
+        llm.engine.executor.shutdown()
         torch.set_num_threads(num_threads)
 
 

@@ -18,7 +18,7 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 def _step_logits(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[torch.Tensor, list[int]]:
     """Return every step's logits and the greedy tokens."""
     seen: list[torch.Tensor] = []
-    model = llm.engine.model
+    model = llm.engine.worker.model
     orig = model.compute_logits
 
     def wrapped(hidden: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ def test_greedy_chat_answers_paris(model_dir: Path, dtype: str) -> None:
 def test_default_model_is_used_when_none_given(model_dir: Path) -> None:
     llm = LLM(kv_cache_memory_bytes=32 << 20)
     assert llm.engine.model_config.model == str(model_dir)
-    assert llm.engine.model.config.num_hidden_layers == 30
+    assert llm.engine.worker.model.config.num_hidden_layers == 30
 
 
 def test_corrupt_gguf_and_missing_config_are_clear_errors(tmp_path: Path, gguf_path: Path) -> None:

@@ -104,20 +104,27 @@ def _engine_kwargs(num_kv_heads: int, tp: int, kv_cache_dtype: str = "auto") -> 
     )
 
 
-def _run(model_dir: Path, num_kv_heads: int, tp: int, kv_cache_dtype: str = "auto") -> Run:
-    llm = LLM(str(model_dir), **_engine_kwargs(num_kv_heads, tp, kv_cache_dtype))
+def _run(
+    model_dir: Path,
+    num_kv_heads: int,
+    tp: int,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+) -> Run:
+    kwargs = _engine_kwargs(num_kv_heads, tp, kv_cache_dtype)
+    llm = LLM(str(model_dir), quantization=quantization, **kwargs)
     engine = llm.engine
     try:
         assert engine.num_blocks == NUM_BLOCKS
         logits: list[torch.Tensor] = []
-        compute_logits = engine.model.compute_logits
+        compute_logits = engine.worker.model.compute_logits
 
         def record(hidden: torch.Tensor) -> torch.Tensor:
             out = compute_logits(hidden)
             logits.append(out.clone())
             return out
 
-        engine.model.compute_logits = record  # type: ignore[method-assign]
+        engine.worker.model.compute_logits = record  # type: ignore[method-assign]
         stats: list[SchedulerStats] = []
         engine.stat_loggers.append(stats.append)
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -128,8 +135,8 @@ def _run(model_dir: Path, num_kv_heads: int, tp: int, kv_cache_dtype: str = "aut
             sum(s.num_preemptions for s in stats),
         )
     finally:
-        if engine.tp_executor is not None:
-            engine.tp_executor.shutdown()
+        if engine.executor is not None:
+            engine.executor.shutdown()
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -156,6 +163,15 @@ def test_tp2_fp8_cache_matches_tp1_fp8_cache(model_dirs: dict[str, Path]) -> Non
     # Each rank quantizes its own KV heads with its own per-token scales: the same values.
     err = max((a - b).abs().max().item() for a, b in zip(split.logits, single.logits))
     assert err < 1e-3
+
+
+def test_tp2_fp8_weights_match_tp1_fp8_weights(model_dirs: dict[str, Path]) -> None:
+    # Row-parallel shards take their per-channel scales over every rank: the same weights.
+    single = _run(model_dirs["llama-4kv"], 4, tp=1, quantization="fp8")
+    split = _run(model_dirs["llama-4kv"], 4, tp=2, quantization="fp8")
+    assert split.token_ids == single.token_ids
+    err = max((a - b).abs().max().item() for a, b in zip(split.logits, single.logits))
+    assert err < 1e-4
 
 
 def test_head_count_that_does_not_divide_is_refused_before_starting(tmp_path: Path) -> None:
@@ -209,11 +225,11 @@ def test_worker_death_between_steps_is_reported_by_health_and_the_next_step(
 ) -> None:
     llm = LLM(str(model_dirs["qwen2-1kv"]), **_engine_kwargs(1, tp=2))
     engine = llm.engine
-    assert engine.tp_executor is not None
+    assert engine.executor is not None
     try:
         assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert engine.is_healthy()
-        (worker,) = engine.tp_executor.workers
+        (worker,) = engine.executor.workers
         assert worker.process is not None and worker.process.pid is not None
         os.kill(worker.process.pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -225,7 +241,7 @@ def test_worker_death_between_steps_is_reported_by_health_and_the_next_step(
         ):
             llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     finally:
-        engine.tp_executor.shutdown()
+        engine.executor.shutdown()
 
 
 # -- the server, and a worker's death ------------------------------------------------------------
@@ -270,8 +286,8 @@ def tp_server(model_dirs: dict[str, Path]) -> Iterator[RunningServer]:
     yield RunningServer(f"http://127.0.0.1:{port}", engine, server, thread)
     server.should_exit = True
     thread.join(20)
-    assert engine.tp_executor is not None
-    engine.tp_executor.shutdown()
+    assert engine.executor is not None
+    engine.executor.shutdown()
 
 
 def test_server_with_tensor_parallel_size_2_answers_a_chat(tp_server: RunningServer) -> None:
@@ -291,7 +307,7 @@ def test_server_with_tensor_parallel_size_2_answers_a_chat(tp_server: RunningSer
 def test_killing_a_worker_mid_run_makes_the_server_unhealthy_within_seconds(
     tp_server: RunningServer,
 ) -> None:
-    executor = tp_server.engine.tp_executor
+    executor = tp_server.engine.executor
     assert executor is not None
     (worker,) = executor.workers
     assert worker.process is not None and worker.process.pid is not None
@@ -374,3 +390,70 @@ def test_torchrun_launched_ranks_serve_with_rank_0_as_the_server(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_tp2_from_a_script_on_stdin_without_a_main_guard(model_dirs: dict[str, Path]) -> None:
+    # Ranks are their own processes of the package: nothing re-imports the user's script.
+    kwargs = _engine_kwargs(4, tp=2)
+    script = (
+        "import torch\n"
+        "torch.set_num_threads(1)\n"
+        "from infer8 import LLM, SamplingParams\n"
+        f"llm = LLM({str(model_dirs['llama-4kv'])!r}, **{kwargs!r})\n"
+        "out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0,"
+        " ignore_eos=True), use_tqdm=False)\n"
+        "print('TOKENS', out[0].outputs[0].token_ids)\n"
+        "llm.engine.executor.shutdown()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "FileNotFoundError" not in result.stderr
+    tokens = [line for line in result.stdout.splitlines() if line.startswith("TOKENS")]
+    assert len(tokens) == 1 and len(eval(tokens[0].removeprefix("TOKENS "))) == 4
+
+
+def test_the_worker_runs_a_hand_built_scheduler_output_alone(model_dirs: dict[str, Path]) -> None:
+    # The device side is reachable through plain data only: no engine, no scheduler.
+    from infer8.config import EngineArgs
+    from infer8.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+    from infer8.worker.worker import Worker
+
+    model_dir = str(model_dirs["llama-4kv"])
+    args = EngineArgs(model=model_dir, **{**_engine_kwargs(4, tp=1), "device": "cpu"})
+    worker = Worker(args, model_dir)
+    assert worker.num_blocks == NUM_BLOCKS and worker.is_driver
+    prompt = [5, 6, 7, 8, 9, 10]
+    first = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", prompt, GREEDY, [2])],
+        scheduled=[ScheduledRequest("a", 0, len(prompt), [0])],
+    )
+    token = worker.execute_model(first).sampled_token_ids["a"]
+    # the next step carries that token to the runner, as it does to every rank under TP
+    second = SchedulerOutput(
+        scheduled=[ScheduledRequest("a", len(prompt), 1, [0])], new_token_ids={"a": token}
+    )
+    token2 = worker.execute_model(second).sampled_token_ids["a"]
+    assert worker.runner.states["a"].output_token_ids == [token]
+    # the same two tokens as the engine's greedy run of the same prompt
+    llm = LLM(model_dir, **_engine_kwargs(4, tp=1))
+    expected = llm.generate(
+        [prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
+    assert [token, token2] == expected[0].outputs[0].token_ids
+
+
+def test_the_executor_and_workers_never_import_the_engine() -> None:
+    code = (
+        "import sys, infer8.executor, infer8.distributed.executor, infer8.distributed.worker\n"
+        "print('infer8.engine' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

@@ -19,7 +19,7 @@ from infer8.entrypoints.openai.cli_args import make_serve_parser, serve_args_fro
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 EXAMPLES = K8S / "examples"
-OVERLAYS = ["cpu", "gpu-h100-fp8"]
+OVERLAYS = ["cpu", "gpu-h100-fp8", "gpu-h200-fp8"]
 K8S_VERSION = "1.32"  # preStop `sleep` needs >= 1.30
 # The kustomization fields the fallback renderer implements; others must fail loudly.
 RENDERER_FIELDS = {"apiVersion", "kind", "resources", "patches", "images"}
@@ -177,7 +177,10 @@ def parse_infer8(argv: list[str]) -> argparse.Namespace:
 def test_overlay_validates_against_kubernetes_schemas(overlay: str) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     docs = render(overlay)
-    assert sorted(d["kind"] for d in docs) == ["Deployment", "PodDisruptionBudget", "Service"]
+    volume = ["PersistentVolumeClaim"] if overlay == "gpu-h200-fp8" else []
+    assert sorted(d["kind"] for d in docs) == sorted(
+        ["Deployment", "PodDisruptionBudget", "Service", *volume]
+    )
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -203,13 +206,31 @@ def test_fallback_renderer_matches_kustomize(overlay: str) -> None:
 def test_every_container_command_parses_with_infer8(overlay: str) -> None:
     deployment = by_kind(render(overlay), "Deployment")
     for container in _pod_containers(deployment):
+        if container["image"].partition(":")[0] != "infer8":
+            continue  # a helper image (the H200 overlay's weight download), checked on its own
         argv = container_argv(container)
         ns = parse_infer8(argv)
         if argv[1] == "serve":
             serve_args_from(ns)  # the engine and server values are valid too
 
 
-def test_gpu_overlay_has_the_seed_flags_and_resources() -> None:
+def _plan_for(engine_args: Any, device: str) -> Any:
+    from infer8 import plan
+
+    inputs = plan.PlanInputs(
+        model=plan.ModelShape.from_hf_config(plan.MODEL_PRESETS["qwen2-72b-instruct"], "q72"),
+        device=plan.DEVICE_PRESETS[device],
+        weight_dtype="fp8" if engine_args.quantization == "fp8" else "bf16",
+        kv_cache_dtype=engine_args.kv_cache_dtype,
+        gpu_memory_utilization=engine_args.gpu_memory_utilization,
+        tensor_parallel_size=engine_args.tensor_parallel_size,
+        max_num_seqs=engine_args.max_num_seqs,
+        max_num_batched_tokens=engine_args.max_num_batched_tokens,
+    )
+    return plan.plan_capacity(inputs)
+
+
+def test_seed_overlay_has_the_seed_flags_and_a_shape_that_starts() -> None:
     deployment = by_kind(render("gpu-h100-fp8"), "Deployment")
     container = server_container(deployment)
     engine_args, _ = serve_args_from(parse_infer8(container_argv(container)))
@@ -221,8 +242,33 @@ def test_gpu_overlay_has_the_seed_flags_and_resources() -> None:
     assert engine_args.device == "cuda"
     assert deployment["spec"]["replicas"] == 4
     limits = container["resources"]["limits"]
-    assert limits["nvidia.com/gpu"] == 1 and limits["memory"] == "64Gi"
+    assert limits["nvidia.com/gpu"] == engine_args.tensor_parallel_size == 4
     assert container["image"].endswith(":cuda")
+    planned = _plan_for(engine_args, "h100-80gb")
+    assert planned.fits and planned.max_concurrent_sessions == 26  # as the overlay documents
+
+
+def test_h200_overlay_fits_and_fills_its_model_volume() -> None:
+    docs = render("gpu-h200-fp8")
+    deployment = by_kind(docs, "Deployment")
+    container = server_container(deployment)
+    engine_args, _ = serve_args_from(parse_infer8(container_argv(container)))
+    assert engine_args.quantization == "fp8" and engine_args.kv_cache_dtype == "fp8_e4m3"
+    assert not engine_args.enforce_eager  # CUDA graphs on
+    assert engine_args.tensor_parallel_size == 1
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    planned = _plan_for(engine_args, "h200-141gb")
+    assert planned.fits and planned.max_concurrent_sessions >= 8
+    pod = deployment["spec"]["template"]["spec"]
+    claim = by_kind(docs, "PersistentVolumeClaim")
+    (volume,) = pod["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    (init,) = pod["initContainers"]
+    script = " ".join(init["command"])
+    assert engine_args.model is not None and f"{engine_args.model}/config.json" in script
+    assert "snapshot_download" in script and "exit 0" in script  # skipped when present
+    (mount,) = container["volumeMounts"]
+    assert mount["readOnly"] is True and engine_args.model.startswith(mount["mountPath"])
 
 
 def test_cpu_overlay_serves_the_default_model_pulled_into_its_cache() -> None:
@@ -352,3 +398,9 @@ def test_dockerfile_defaults_to_cpu_with_a_cuda_base_argument() -> None:
     assert "cuda" not in args["BASE_IMAGE"] and args["TORCH_INDEX_URL"].endswith("/cpu")
     froms = [a for n, a in instructions if n == "FROM"]
     assert froms == ["${BASE_IMAGE}"]
+
+
+def test_the_image_has_the_c_compiler_triton_and_the_cpu_kernels_need() -> None:
+    runs = " ".join(args for name, args in dockerfile_instructions() if name == "RUN")
+    assert " gcc" in runs and "libc6-dev" in runs
+    assert "python3-dev" in runs  # Python.h where the CUDA base image's Python comes from apt

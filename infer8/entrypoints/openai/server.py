@@ -92,7 +92,7 @@ _GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 def default_step_timeout_s(engine: LLMEngine) -> float:
     """Return the watchdog limit: 4x a pessimistic time for the largest step, at least 120 s."""
-    num_params = sum(p.numel() for p in engine.model.parameters())
+    num_params = sum(p.numel() for p in engine.worker.model.parameters())
     tokens = engine.scheduler_config.max_num_batched_tokens
     flops = 2 * num_params * tokens
     rate = _WATCHDOG_FLOPS_PER_S.get(engine.model_config.device.type, 10e9)

@@ -1,0 +1,26 @@
+"""The attention backend protocol: what a model layer needs from attention, and nothing more.
+
+Each backend builds whatever per-step data it needs from the common `AttentionMetadata` (the
+runner's plain description of the batch) and keeps no hidden per-step state of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from infer8.attention.metadata import AttentionMetadata
+from infer8.worker.kv_cache import LayerKVCache
+
+
+class AttentionBackend(Protocol):
+    """Store K/V into the paged cache, then attend over it."""
+
+    def write_kv(
+        self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None: ...
+
+    def forward(
+        self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...

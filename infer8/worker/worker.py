@@ -1,0 +1,346 @@
+"""Worker: one rank's device side: the model shard, the KV cache, the attention backend, graphs.
+
+Rank 0 and ranks 1..N-1 build the same Worker from the same EngineArgs; the engine (rank 0
+only) keeps the tokenizer, the scheduler and output processing, and reaches the device only
+through `execute_model(SchedulerOutput) -> ModelRunnerOutput`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from infer8.attention import select_backend
+from infer8.attention.exact_tail import describe_exact_tail, resolve_exact_tail
+from infer8.config import EngineArgs, ModelConfig, SchedulerConfig
+from infer8.core.kv_cache_manager import cdiv
+from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from infer8.distributed.parallel_state import TensorParallelGroup
+from infer8.distributed.sharding import TensorParallelShard
+from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
+from infer8.models.loader import load_model
+from infer8.quant import fp8, kv_scales
+from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
+from infer8.worker.memory import (
+    CUDA_GRAPH_RESERVE_BYTES,
+    GiB,
+    device_memory_bytes,
+    estimate_activation_bytes,
+    plan_kv_memory,
+)
+from infer8.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from infer8.models.gguf_loader import GGUFModel
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Owns one rank's model shard, KV cache tensors, attention backend, runner and graphs."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_path: str,
+        tp_group: TensorParallelGroup | None = None,
+        gguf: GGUFModel | None = None,
+    ) -> None:
+        """Load the shard, size and allocate the KV cache, choose the backend, capture graphs."""
+        model_config, cache_config, scheduler_config = args.create_configs(model_path)
+        self.cache_config, self.scheduler_config = cache_config, scheduler_config
+        self.tp_group = tp_group
+        self.is_driver = tp_group is None or tp_group.rank == 0
+        device = model_config.device
+        model, self.hf_config, ckpt_kv_scales = load_model(
+            model_path, model_config.dtype, device, tp_group, gguf
+        )
+        self.tp_shard: TensorParallelShard | None = None
+        if tp_group is not None:
+            arch_config = LlamaArchConfig.from_hf_config(self.hf_config)
+            self.tp_shard = TensorParallelShard(arch_config, tp_group.rank, tp_group.world_size)
+        if args.quantization == "fp8":
+            from infer8.quant.fp8_linear import quantize_model_weights, supports_scaled_mm
+
+            quantize_model_weights(model, use_scaled_mm=supports_scaled_mm(device))
+        arch = model.config
+        kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
+        tail_tokens, hadamard = resolve_exact_tail(
+            cache_config.kv_cache_exact_tail_tokens,
+            cache_config.kv_cache_hadamard,
+            is_fp8=kv_dtype in fp8.FP8_DTYPES,
+            is_reference_backend=device.type != "cuda",
+            has_static_scales=cache_config.kv_scale == "static",
+            head_dim=arch.head_dim,
+        )
+        self.kv_spec = KVCacheSpec(
+            num_layers=arch.num_hidden_layers,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            block_size=cache_config.block_size,
+            dtype=kv_dtype,
+            exact_tail_tokens=tail_tokens,
+            tail_dtype=model_config.dtype,
+            hadamard=hadamard,
+        )
+        self.attn_backend = select_backend(
+            device, self.kv_spec, enforce_eager=model_config.enforce_eager
+        )
+        model.set_attention_backend(self.attn_backend)
+        kv_bytes = self._kv_budget_bytes(model, model_config)
+        # one exact-tail ring per seat, out of the KV budget; never more seats than the rest
+        # holds blocks (a small budget would otherwise go to rings)
+        self.num_tail_rows = 0
+        if tail_tokens:
+            per_seat = self.kv_spec.bytes_per_block + self.kv_spec.tail_bytes(1)
+            self.num_tail_rows = min(scheduler_config.max_num_seqs, max(1, kv_bytes // per_seat))
+        self.num_blocks = self.kv_spec.num_blocks_for(kv_bytes, self.num_tail_rows)
+        if tp_group is not None:  # every rank must hold every block id the scheduler hands out
+            self.num_blocks = min(tp_group.exchange("num_blocks", self.num_blocks))
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({kv_bytes} bytes) holds no block of "
+                f"{self.kv_spec.bytes_per_block} bytes; raise kv_cache_memory_bytes"
+            )
+        capacity_tokens = self.num_blocks * cache_config.block_size
+        self.max_model_len = resolve_max_model_len(
+            model_config.max_model_len, arch.max_position_embeddings, capacity_tokens
+        )
+        self.model_config = dataclasses.replace(model_config, max_model_len=self.max_model_len)
+        model.rope_tables(self.max_model_len, device, model_config.dtype)
+        self.kv_caches: list[LayerKVCache] = allocate_kv_cache(
+            self.kv_spec, self.num_blocks, device, self.num_tail_rows
+        )
+        self.kv_scale_source = self._setup_kv_scales(ckpt_kv_scales)
+        if self.is_driver:
+            print(self._describe_kv_cache(), flush=True)
+        self.model: LlamaForCausalLM = model
+        self.runner = ModelRunner(
+            model,
+            self.kv_caches,
+            cache_config.block_size,
+            device,
+            seed=model_config.seed,
+            is_driver=self.is_driver,
+            exact_tail_tokens=tail_tokens,
+        )
+        if device.type == "cuda" and not model_config.enforce_eager and not self.uses_exact_tail:
+            self._capture_cuda_graphs()
+
+    # -- construction helpers -------------------------------------------------------------
+    def _kv_budget_bytes(self, model: LlamaForCausalLM, model_config: ModelConfig) -> int:
+        """Return the KV cache budget (see worker/memory.py) and print where it came from.
+
+        On CUDA the activations are measured (the peak of a dummy step at
+        max_num_batched_tokens, sampler included) and memory other processes hold is taken
+        out; on CPU the activations are estimated and the documented RAM cap applies.
+        """
+        arch, sched = model.config, self.scheduler_config
+        device = model_config.device
+        # FP8 weights live in buffers (Fp8Linear), so count those too
+        weight_bytes = sum(
+            t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+        )
+        act_bytes = estimate_activation_bytes(
+            arch.hidden_size,
+            arch.intermediate_size,  # this rank's share under TP
+            arch.vocab_size,
+            sched.max_num_batched_tokens,
+            sched.max_num_seqs,
+        )
+        other_bytes = graph_bytes = 0
+        is_measured = False
+        if device.type == "cuda" and self.cache_config.kv_cache_memory_bytes is None:
+            free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+            other_bytes = max(0, total_bytes - free_bytes - torch.cuda.memory_reserved(device))
+            act_bytes = measure_activation_bytes(model, self.kv_spec, sched, device)
+            is_measured = True
+            if not model_config.enforce_eager:
+                graph_bytes = CUDA_GRAPH_RESERVE_BYTES
+        max_len = model_config.max_model_len or arch.max_position_embeddings
+        need_blocks = sched.max_num_seqs * cdiv(max_len, self.kv_spec.block_size)
+        plan = plan_kv_memory(
+            device_memory_bytes(device),
+            self.cache_config.gpu_memory_utilization,
+            weight_bytes,
+            act_bytes,
+            need_blocks * self.kv_spec.bytes_per_block,
+            device.type == "cpu",
+            self.cache_config.kv_cache_memory_bytes,
+            other_bytes=other_bytes,
+            graph_bytes=graph_bytes,
+            is_measured=is_measured,
+        )
+        if self.is_driver:
+            print(plan.report(device.type == "cpu"), flush=True)
+        return plan.kv_bytes
+
+    def _describe_kv_cache(self) -> str:
+        """Return the start-up line with the cache's size and the maximum concurrency."""
+        block_size = self.cache_config.block_size
+        tail_bytes = self.kv_spec.tail_bytes(self.num_tail_rows)
+        gib = (self.num_blocks * self.kv_spec.bytes_per_block + tail_bytes) / GiB
+        dtype_name = str(self.kv_spec.dtype).removeprefix("torch.")
+        per_request_blocks = cdiv(self.max_model_len, block_size)
+        return (
+            f"KV cache: {self.num_blocks} blocks x {block_size} tokens = "
+            f"{self.num_blocks * block_size} tokens, {gib:.2f} GiB, dtype {dtype_name}; maximum "
+            f"concurrency for {self.max_model_len} tokens per request: "
+            f"{self.num_blocks / per_request_blocks:.2f}x"
+            + describe_exact_tail(self.kv_spec, self.num_tail_rows)
+        )
+
+    def _setup_kv_scales(self, ckpt_scales: dict[int, dict[str, torch.Tensor]]) -> str:
+        """Install static FP8 scales if asked for; return where scales come from.
+
+        Static mode without scales never falls back to 1.0: it says so loudly and uses
+        dynamic per-token scales instead ("dynamic (static scales missing)").
+        """
+        cfg, spec = self.cache_config, self.kv_spec
+        if not spec.is_fp8:
+            if cfg.kv_scale == "static":
+                logger.warning("--kv-scale static has no effect with a %s KV cache", spec.dtype)
+            return "none"
+        if cfg.kv_scale == "dynamic":
+            return "dynamic"
+        if cfg.kv_scales_path is not None:
+            shard = self.tp_shard  # the file covers the model's KV heads; keep this rank's
+            num_kv_heads = spec.num_kv_heads if shard is None else shard.config.num_key_value_heads
+            scales = kv_scales.load_calibration(
+                cfg.kv_scales_path, spec.dtype, spec.num_layers, num_kv_heads, spec.head_dim
+            )
+            if shard is not None:
+                scales = shard.shard_static_scales(scales)
+        else:
+            scales = kv_scales.from_checkpoint(
+                ckpt_scales, spec.num_layers, spec.num_kv_heads, spec.head_dim
+            )
+        if scales is None:
+            message = (
+                "WARNING: --kv-scale static was requested but the checkpoint has no k_scale/v_scale "
+                "tensors and no --kv-scales-path was given; NOT using a scale of 1.0: falling back "
+                "to dynamic per-token scales. Run `infer8 calibrate-kv MODEL --out scales.json`."
+            )
+            logger.warning(message)
+            if self.is_driver:
+                print(message, file=sys.stderr, flush=True)
+            return "dynamic (static scales missing)"
+        device = self.model_config.device
+        for cache, k, v in zip(self.kv_caches, scales.k, scales.v):
+            cache.k_static_scale = k.to(device)
+            cache.v_static_scale = v.to(device)
+        return f"static ({scales.source})"
+
+    def _capture_cuda_graphs(self) -> None:
+        """Capture decode graphs per batch bucket (vLLM's default; --enforce-eager turns it off).
+
+        Every rank captures the same buckets and replays the same one each step (the step's
+        SchedulerOutput decides), so the collectives inside the graphs line up across ranks.
+        """
+        from infer8.worker.cuda_graphs import CUDAGraphDecodeRunner
+
+        graph_runner = CUDAGraphDecodeRunner(
+            self.model,
+            self.kv_caches,
+            self.attn_backend,  # type: ignore[arg-type]
+            self.cache_config.block_size,
+            self.max_model_len,
+            self.scheduler_config.max_num_seqs,
+        )
+        graph_runner.capture()
+        self.runner.graph_runner = graph_runner
+
+    # -- the step API ---------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; only the driver (rank 0) returns samples."""
+        return self.runner.execute(scheduler_output)
+
+    def reset(self) -> None:
+        """Forget every request's state (after a failed step); weights and KV memory stay."""
+        self.runner.states.clear()
+        if self.runner.tail_rows is not None:  # every ring row is free again
+            self.runner.tail_rows.release_all()
+
+    @property
+    def uses_exact_tail(self) -> bool:
+        """Return whether the FP8 cache keeps an exact tail or rotates keys."""
+        return self.kv_spec.exact_tail_tokens > 0 or self.kv_spec.hadamard
+
+    def kv_saturation_counts(self) -> list[int]:
+        """Return per-layer counts of K/V values clipped at the FP8 max on write."""
+        return [int(c.num_saturated) if c.num_saturated is not None else 0 for c in self.kv_caches]
+
+
+def profile_step(
+    model: LlamaForCausalLM,
+    kv_spec: KVCacheSpec,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_len: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Run the largest step the scheduler can hand out on a throwaway cache; return its logits.
+
+    max_num_batched_tokens prompt tokens in sequences of at most max_len, then logits and the
+    sampler's float32 copy for max_num_seqs rows: the activations a real step can reach.
+    """
+    from infer8.attention.metadata import build_attention_metadata
+
+    spec = dataclasses.replace(kv_spec, exact_tail_tokens=0, hadamard=False)
+    query_lens = [min(max_len, max_num_batched_tokens - i)
+                  for i in range(0, max_num_batched_tokens, max_len)]  # fmt: skip
+    block_ids, next_block = [], 0
+    for n in query_lens:
+        num_blocks = cdiv(n, spec.block_size)
+        block_ids.append(list(range(next_block, next_block + num_blocks)))
+        next_block += num_blocks
+    caches = allocate_kv_cache(spec, next_block, device)
+    meta = build_attention_metadata(
+        query_lens, [0] * len(query_lens), block_ids, spec.block_size, device
+    )
+    input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in query_lens])
+    with torch.inference_mode():
+        hidden = model(input_ids, positions, meta, caches)
+        rows = torch.arange(max_num_seqs, device=device) % max_num_batched_tokens
+        logits = model.compute_logits(hidden[rows])  # [max_num_seqs, vocab]
+        return torch.softmax(logits.float(), dim=-1)
+
+
+def measure_activation_bytes(
+    model: LlamaForCausalLM, kv_spec: KVCacheSpec, sched: SchedulerConfig, device: torch.device
+) -> int:
+    """Return the CUDA allocator's peak over a profile_step (the cache it uses included)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    max_len = model.config.max_position_embeddings
+    profile_step(model, kv_spec, sched.max_num_batched_tokens, sched.max_num_seqs, max_len, device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    return peak
+
+
+def resolve_max_model_len(
+    requested: int | None, max_position_embeddings: int, capacity_tokens: int
+) -> int:
+    """Resolve max_model_len against the model's positions and the cache's capacity."""
+    if requested is None:
+        return min(max_position_embeddings, capacity_tokens)
+    if requested > max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's max_position_embeddings "
+            f"{max_position_embeddings}"
+        )
+    if requested > capacity_tokens:
+        raise ValueError(
+            f"max_model_len {requested} is larger than the KV cache can hold "
+            f"({capacity_tokens} tokens); raise the KV cache memory or lower max_model_len"
+        )
+    return requested
