@@ -8,6 +8,13 @@ Starts `infer8 serve` on 127.0.0.1 (the default model unless --model), then, fro
    while /health is polled every 20 ms for 10 s; prints the /health latency percentiles.
 2. burst: 400 connections opened first, then 400 completion requests written at once to a server
    with --max-num-seqs 16 --max-waiting-requests 32; prints the time to each 503.
+3. floor: the same two measurements against a bare asyncio server in its own process that
+   answers every request at once (no parsing, no engine): what the clients and the machine
+   cost by themselves. On a 2-core machine shared by the server, 4 flood processes and the
+   measuring client, that floor is most of what step 1 and 2 report.
+
+--client-nice N runs every load-generating process at nice N, as if the clients had their own
+machine (the server keeps the CPU when both want it).
 """
 
 from __future__ import annotations
@@ -125,27 +132,83 @@ def overload_burst(port: int, num: int = 400) -> dict[str, object]:
     return {**percentiles(times_503), "statuses": statuses}
 
 
+_BARE_SERVER = """
+import asyncio, sys
+RESPONSE = (b"HTTP/1.1 503 Service Unavailable\\r\\ncontent-type: application/json\\r\\n"
+            b"content-length: 2\\r\\nconnection: close\\r\\n\\r\\n{}")
+HEALTH = (b"HTTP/1.1 200 OK\\r\\ncontent-type: application/json\\r\\n"
+          b"content-length: 2\\r\\n\\r\\n{}")
+async def handle(reader, writer):
+    try:
+        while True:
+            head = await reader.readuntil(b"\\r\\n\\r\\n")
+            length = 0
+            for line in head.split(b"\\r\\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            await reader.readexactly(length)
+            if head.startswith(b"GET /health"):
+                writer.write(HEALTH)
+                await writer.drain()
+            else:
+                writer.write(RESPONSE)
+                await writer.drain()
+                break
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    writer.close()
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]), backlog=1024)
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def bare_server(port: int) -> subprocess.Popen[bytes]:
+    """Start a server that answers at once (the floor of the measurement)."""
+    proc = subprocess.Popen([sys.executable, "-c", _BARE_SERVER, str(port)])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("the bare server did not start")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--client-nice", type=int, default=0, help="nice of the load generators")
     args = parser.parse_args()
-    results: dict[str, object] = {}
-    port = _free_port()
-    proc = start_server(args.model, port, ["--kv-cache-memory-bytes", str(256 << 20)])
+    results: dict[str, object] = {"client_nice": args.client_nice}
+    # Every server starts first, at this process's priority; then the load generators (this
+    # process and the flood processes it spawns) drop to --client-nice.
+    ports = [_free_port() for _ in range(3)]
+    kv = ["--kv-cache-memory-bytes", str(256 << 20)]
+    servers = [
+        start_server(args.model, ports[0], kv),
+        start_server(
+            args.model, ports[1], [*kv, "--max-num-seqs", "16", "--max-waiting-requests", "32"]
+        ),
+        bare_server(ports[2]),
+    ]
     try:
-        results["health_under_1mb_prompts"] = health_under_big_prompts(f"http://127.0.0.1:{port}")
+        os.nice(args.client_nice)
+        results["health_under_1mb_prompts"] = health_under_big_prompts(
+            f"http://127.0.0.1:{ports[0]}"
+        )
+        results["time_to_503_in_400_burst"] = overload_burst(ports[1])
+        results["floor_health_under_1mb_prompts"] = health_under_big_prompts(
+            f"http://127.0.0.1:{ports[2]}"
+        )
+        results["floor_time_to_503_in_400_burst"] = overload_burst(ports[2])
     finally:
-        proc.terminate()
-        proc.wait()
-    port = _free_port()
-    extra = ["--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "16"]
-    proc = start_server(args.model, port, [*extra, "--max-waiting-requests", "32"])
-    try:
-        results["time_to_503_in_400_burst"] = overload_burst(port)
-    finally:
-        proc.terminate()
-        proc.wait()
+        for proc in servers:
+            proc.terminate()
+            proc.wait()
     print(json.dumps(results, indent=2))
     if args.out:
         with open(args.out, "w") as f:

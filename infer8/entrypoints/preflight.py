@@ -78,7 +78,10 @@ def model_hf_config(model: str | None) -> dict[str, Any]:
 def check_port(host: str, port: int) -> socket.socket:
     """Bind the server's socket now (no race with the load); raise ValueError if taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted connections only
+    # when the listening socket says TCP. Without it every response waited ~40 ms (Nagle's
+    # algorithm against the client's delayed ACK).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

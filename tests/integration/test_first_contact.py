@@ -97,6 +97,19 @@ def test_readme_curl_and_the_openai_client(default_server: str) -> None:
     assert "Paris" in (answer.choices[0].message.content or "")
 
 
+def test_keep_alive_requests_answer_without_a_nagle_stall(default_server: str) -> None:
+    # The pre-bound listening socket must say TCP, or asyncio never sets TCP_NODELAY and every
+    # response on a kept-alive connection waits ~40 ms for the client's delayed ACK.
+    with httpx.Client(base_url=default_server) as client:
+        client.get("/health")
+        times_ms = []
+        for _ in range(15):
+            start = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            times_ms.append(1e3 * (time.perf_counter() - start))
+    assert sorted(times_ms)[7] < 25, times_ms  # the stall made every one ~44 ms
+
+
 # -- mistakes: one line and a non-zero exit before any model is loaded -----------------------
 def _serve_error(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str, float]:
     start = time.monotonic()

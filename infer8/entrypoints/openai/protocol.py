@@ -203,6 +203,12 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
 
+    def num_chars(self) -> int:
+        """Return the characters of the message's text (its content, all text parts)."""
+        if isinstance(self.content, str):
+            return len(self.content)
+        return sum(len(p.text or "") for p in self.content or [])
+
     def to_template_dict(self) -> dict[str, Any]:
         """Return the message for the chat template, text parts joined into one string."""
         message = self.model_dump(exclude_none=True)

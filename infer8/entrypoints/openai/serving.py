@@ -207,7 +207,21 @@ class OpenAIServing:
         self.check_model(request.model)
         return await _in_thread(self.executor, self._submit_completion, request)
 
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context whatever its tokens, before tokenizing it."""
+        min_tokens = self.tokenizer.min_num_tokens(num_chars)
+        if min_tokens >= self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"the {param} has {num_chars} characters, at least {min_tokens} tokens. Please "
+                "reduce the length of the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def _encode(self, text: str, param: str) -> list[int]:
+        self.check_text_length(len(text), param)
         try:
             return self.tokenizer.encode(text)
         except ValueError as e:
@@ -356,6 +370,7 @@ class OpenAIServing:
         tools: ToolContext | None = None,
     ) -> list[int]:
         """Apply the chat template; template errors are the client's (400)."""
+        self.check_text_length(sum(m.num_chars() for m in messages), "messages")
         try:
             conversation = [m.to_template_dict() for m in messages]
             template = self.tokenizer.chat_template
