@@ -125,6 +125,41 @@ def add_bench_parser(sub: Any) -> None:
     )
     sv.add_argument("--timeout-s", type=float, default=600.0)
     sv.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts and arrivals")
+    slo = sv.add_argument_group(
+        "sessions at an SLO (--sessions-slo): the most concurrent multi-turn chat sessions the "
+        "server holds within p99 limits, by a bounded search over concurrency"
+    )
+    slo.add_argument(
+        "--sessions-slo",
+        action="store_true",
+        help="search for the most concurrent chat sessions within the SLO (chat endpoint)",
+    )
+    slo.add_argument("--slo-ttft-p99-ms", type=float, default=2000.0)
+    slo.add_argument("--slo-tpot-p99-ms", type=float, default=150.0)
+    slo.add_argument("--session-turns", type=int, default=4, help="turns per session")
+    slo.add_argument(
+        "--session-first-len",
+        type=LengthSpec.parse,
+        default=LengthSpec.parse("lognormal:200:0.8:1000"),
+        help="tokens of a session's first message",
+    )
+    slo.add_argument(
+        "--session-turn-len",
+        type=LengthSpec.parse,
+        default=LengthSpec.parse("uniform:20:120"),
+        help="tokens of each follow-up message",
+    )
+    slo.add_argument(
+        "--session-output-len",
+        type=LengthSpec.parse,
+        default=LengthSpec.parse("uniform:32:256"),
+        help="max_tokens of each answer",
+    )
+    slo.add_argument("--think-time-s", type=float, default=3.0, help="mean pause between turns")
+    slo.add_argument("--warmup-s", type=float, default=10.0, help="per level, not judged")
+    slo.add_argument("--window-s", type=float, default=60.0, help="per level, judged")
+    slo.add_argument("--max-sessions", type=int, default=256)
+    slo.add_argument("--max-probes", type=int, default=8, help="levels probed at most")
     _add_output_args(sv)
     sv.set_defaults(func=_cmd_serve)
 
@@ -275,6 +310,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         extra_body=ns.extra_body,
     )
     tokenizer = load_tokenizer(ns.tokenizer)
+    if ns.sessions_slo:
+        return _sessions_at_slo(ns, config, tokenizer)
     requests = make_requests(tokenizer, ns.num_requests, ns.input_len, ns.output_len, ns.seed)
     result = run_serve(config, requests, tokenizer, use_tqdm=not ns.disable_tqdm)
     result["input_len"], result["output_len"] = ns.input_len.describe(), ns.output_len.describe()
@@ -302,6 +339,27 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             ]
         )
     return 0 if result["completed"] else 1
+
+
+def _sessions_at_slo(ns: argparse.Namespace, config: Any, tokenizer: Any) -> int:
+    from infer8.bench.sessions import SessionSLO, find_max_sessions, format_sessions
+
+    slo = SessionSLO(
+        ttft_p99_ms=ns.slo_ttft_p99_ms,
+        tpot_p99_ms=ns.slo_tpot_p99_ms,
+        num_turns=ns.session_turns,
+        first_len=ns.session_first_len,
+        turn_len=ns.session_turn_len,
+        output_len=ns.session_output_len,
+        think_time_s=ns.think_time_s,
+        warmup_s=ns.warmup_s,
+        window_s=ns.window_s,
+        max_sessions=ns.max_sessions,
+        max_probes=ns.max_probes,
+    )
+    result = find_max_sessions(config, slo, tokenizer, log=not ns.disable_tqdm)
+    _emit(ns, result, format_sessions(result))
+    return 0 if result["max_sessions_within_slo"] > 0 else 1
 
 
 def _cmd_capacity(ns: argparse.Namespace) -> int:

@@ -239,3 +239,28 @@ def test_compare_writes_four_groups_markdown_and_plots(llama_dir: Path, tmp_path
     assert markdown.count("| infer8 ") == 4 and "| HF transformers generate, batch 3 |" in markdown
     pngs = sorted(p.name for p in plot_dir.glob("*.png"))
     assert len(pngs) == 6 and all((plot_dir / p).stat().st_size > 1000 for p in pngs)
+
+
+def test_sessions_at_slo_finds_the_largest_level_within_the_limits(
+    server: tuple[str, LLMEngine],
+) -> None:
+    from infer8.bench.sessions import SessionSLO, find_max_sessions, format_sessions
+
+    url, engine = server
+    short = dict(
+        num_turns=3, first_len=LengthSpec.parse("8:20"), turn_len=LengthSpec.parse("4:10"),
+        output_len=LengthSpec.parse("4:12"), think_time_s=0.05, warmup_s=0.3, window_s=2.0,
+        max_sessions=4, max_probes=3,
+    )  # fmt: skip
+    config = ServeConfig(base_url=url, endpoint="chat", ignore_eos=True)
+    loose = find_max_sessions(config, SessionSLO(60_000, 60_000, **short), engine.tokenizer, False)
+    # 1, 2, 4 sessions all pass: the search stops at max_sessions
+    assert [lv["num_sessions"] for lv in loose["levels"]] == [1, 2, 4]
+    assert loose["max_sessions_within_slo"] == 4 and loose["search_settled"]
+    for level in loose["levels"]:
+        assert level["passed"] and level["num_failed"] == 0 and level["num_requests"] > 0
+        assert 0 < level["ttft_p99_s"] < 60 and level["output_tokens_per_s"] > 0
+    strict = find_max_sessions(config, SessionSLO(0.001, 60_000, **short), engine.tokenizer, False)
+    assert strict["max_sessions_within_slo"] == 0 and len(strict["levels"]) == 1
+    assert "**0 concurrent chat sessions**" in format_sessions(strict)
+    assert "| 4 | pass |" in format_sessions(loose)

@@ -95,3 +95,23 @@ def test_summaries_and_byte_formatting() -> None:
     assert s["ttft_mean_s"] == pytest.approx(0.2) and s["ttft_p50_s"] == pytest.approx(0.2)
     assert summarize([], "ttft")["ttft_p99_s"] is None
     assert (fmt_bytes(128 << 20), fmt_bytes(1536), fmt_bytes(10)) == ("128 MiB", "1.50 KiB", "10 B")
+
+
+def test_session_search_doubles_then_bisects_within_its_bounds() -> None:
+    from infer8.bench.serve import RequestResult
+    from infer8.bench.sessions import SessionSLO, level_passes, next_level
+
+    assert next_level({}, 64) == 1
+    assert next_level({1: True, 2: True, 4: True}, 64) == 8
+    assert next_level({1: True, 2: True, 4: True, 8: False}, 64) == 6
+    assert next_level({1: True, 2: True, 4: True, 8: False, 6: True}, 64) == 7
+    assert next_level({1: True, 2: True, 4: True, 8: False, 6: True, 7: False}, 64) is None
+    assert next_level({1: False}, 64) is None  # even one session misses the SLO
+    assert next_level({32: True, 64: True}, 64) is None  # the cap holds
+    slo = SessionSLO(ttft_p99_ms=100, tpot_p99_ms=20)
+    fast = RequestResult(success=True, ttft_s=0.05, e2el_s=0.25, output_tokens=11)  # TPOT 20 ms
+    slow = RequestResult(success=True, ttft_s=0.5, e2el_s=0.6, output_tokens=2)
+    assert level_passes([fast] * 10, slo)[0]
+    assert not level_passes([fast] * 10 + [slow], slo)[0]  # p99 TTFT over the limit
+    assert not level_passes([fast, RequestResult(success=False, error="HTTP 503")], slo)[0]
+    assert not level_passes([], slo)[0]
