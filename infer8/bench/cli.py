@@ -45,7 +45,7 @@ def _csv(value: str) -> tuple[str, ...]:
 
 def add_bench_parser(sub: Any) -> None:
     """Register `infer8 bench` and its subcommands on the top-level subparsers."""
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, capacity, compare")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, capacity, compare, suite")
     bsub = bench.add_subparsers(dest="bench", required=True)
 
     tp = bsub.add_parser("throughput", help="offline throughput and step stats of one engine")
@@ -67,6 +67,30 @@ def add_bench_parser(sub: Any) -> None:
     )
     _add_output_args(tp)
     tp.set_defaults(func=_cmd_throughput)
+
+    st = bsub.add_parser(
+        "suite",
+        help="W1/W2/W3 offline + online serving in one run, each against its matmul roofline",
+    )
+    add_engine_args(st)
+    st.add_argument(
+        "--workloads",
+        type=_csv,
+        default=("W1", "W2", "W3"),
+        help="offline workloads: W1 (64 x 128/128), W2 (128 x 12..244 / 12..244), "
+        "W3 (32 x 2048/128)",
+    )
+    st.add_argument(
+        "--online-concurrency",
+        type=int,
+        default=32,
+        help="W1's requests against `infer8 serve` with these flags at this concurrency (0: skip)",
+    )
+    st.add_argument(
+        "--scale", type=float, default=1.0, help="multiply request counts and lengths (quick runs)"
+    )
+    _add_output_args(st)
+    st.set_defaults(func=_cmd_suite)
 
     sv = bsub.add_parser("serve", help="streaming load against any OpenAI-compatible server")
     sv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
@@ -360,6 +384,21 @@ def _sessions_at_slo(ns: argparse.Namespace, config: Any, tokenizer: Any) -> int
     result = find_max_sessions(config, slo, tokenizer, log=not ns.disable_tqdm)
     _emit(ns, result, format_sessions(result))
     return 0 if result["max_sessions_within_slo"] > 0 else 1
+
+
+def _cmd_suite(ns: argparse.Namespace) -> int:
+    from infer8.bench.suite import format_suite, run_suite
+
+    result = run_suite(
+        engine_args_from(ns),
+        list(ns.workloads),
+        scale=ns.scale,
+        online_concurrency=ns.online_concurrency or None,
+        seed=ns.seed,  # the engine's --seed also seeds the workload
+        use_tqdm=not ns.disable_tqdm,
+    )
+    _emit(ns, result, format_suite(result))
+    return 0 if all(r.get("failed", 0) == 0 for r in result["rows"]) else 1
 
 
 def _cmd_capacity(ns: argparse.Namespace) -> int:

@@ -80,3 +80,78 @@ def measure_matmul_peak(
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _bucket_sizes(largest: int) -> list[int]:
+    """Return 1, 2, 4, ... up to and including `largest` (the M values timed)."""
+    sizes, m = [], 1
+    while m < largest:
+        sizes.append(m)
+        m *= 2
+    return [*sizes, largest]
+
+
+def _time_s(fn: Any, device: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _interpolate(sizes: list[int], times_s: list[float], m: int) -> float:
+    """Return the time at m, linear between the timed sizes (m is within their range)."""
+    if m <= 0:
+        return 0.0
+    for (m0, t0), (m1, t1) in zip(zip(sizes, times_s), zip(sizes[1:], times_s[1:])):
+        if m <= m1:
+            return t0 + (t1 - t0) * (m - m0) / (m1 - m0)
+    return times_s[-1] * m / sizes[-1]
+
+
+@torch.inference_mode()
+def matmul_roofline(
+    model: torch.nn.Module,
+    step_num_tokens: list[int],
+    step_num_samples: list[int],
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """Return how long a run's matmuls alone take on this machine, measured, not looked up.
+
+    Times the model's own projections (one decoder layer's q/k/v, o, gate/up and down, times
+    the layers) at M = 1, 2, 4, ... tokens up to the largest step, and its LM head at the
+    sampled rows, then sums over the run's steps with linear interpolation between the timed
+    sizes. Attention, norms and everything else count as zero: the run's elapsed time over
+    this is the share of the machine's matmul speed the engine reached.
+    """
+    layer = model.layers[0]
+    projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+    projections += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    num_layers = len(model.layers)
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+
+    def layer_matmuls(m: int) -> None:
+        for proj in projections:
+            x = torch.randn(m, proj.in_features, device=device, dtype=dtype)
+            torch.nn.functional.linear(x, proj.weight)
+
+    def head(m: int) -> None:
+        x = torch.randn(m, model.config.hidden_size, device=device, dtype=dtype)
+        torch.nn.functional.linear(x, model.lm_head.weight)
+
+    token_sizes = _bucket_sizes(max(step_num_tokens, default=1))
+    layer_s = [
+        num_layers * _time_s(lambda m=m: layer_matmuls(m), device, repeats) for m in token_sizes
+    ]
+    sample_sizes = _bucket_sizes(max(step_num_samples, default=1))
+    head_s = [_time_s(lambda m=m: head(m), device, repeats) for m in sample_sizes]
+    total_s = sum(
+        _interpolate(token_sizes, layer_s, n) + _interpolate(sample_sizes, head_s, s)
+        for n, s in zip(step_num_tokens, step_num_samples)
+    )
+    return {"matmul_only_s": total_s, "timed_token_sizes": token_sizes, "layer_s": layer_s}

@@ -83,6 +83,7 @@ def run_workload(
     engine.stat_loggers.append(stats.append)
     timings: dict[str, RequestTiming] = {}
     step_times_s: list[float] = []
+    step_num_samples: list[int] = []  # rows that got a token each step (the LM head's rows)
     bar = tqdm(total=len(requests), desc=desc, disable=not use_tqdm, unit="req")
     try:
         t0 = time.perf_counter()
@@ -95,6 +96,7 @@ def run_workload(
             outputs = engine.step()
             now = time.perf_counter() - t0
             step_times_s.append(now)
+            step_num_samples.append(sum(1 for o in outputs if o.outputs[0].delta_token_ids))
             stopped = []
             for out in outputs:
                 timing = timings[out.request_id]
@@ -123,7 +125,10 @@ def run_workload(
         unfinished = [i for i, t in timings.items() if t.finish_s is None]
         if unfinished:
             engine.abort_request(unfinished)
-    return summarize_run(list(timings.values()), stats, step_times_s, elapsed_s)
+    result = summarize_run(list(timings.values()), stats, step_times_s, elapsed_s)
+    result["step_num_tokens"] = [s.num_scheduled_tokens + s.num_padded_tokens for s in stats]
+    result["step_num_samples"] = step_num_samples
+    return result
 
 
 def summarize_run(

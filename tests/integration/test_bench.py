@@ -332,3 +332,26 @@ def test_serve_latencies_agree_with_the_official_openai_client(tmp_path: Path) -
     for i, name in enumerate(("TTFT", "TPOT")):
         a, b = statistics.median(x[i] for x in ours), statistics.median(x[i] for x in theirs)
         assert a == pytest.approx(b, rel=0.10), f"{name}: bench serve {a}, openai client {b}"
+
+
+def test_suite_runs_every_workload_against_its_matmul_roofline(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "suite.json"
+    argv = ["bench", "suite", str(llama_dir), "--dtype", "float32", "--scale", "0.1"]
+    argv += ["--kv-cache-memory-bytes", str(4 << 20), "--max-num-seqs", "8"]
+    argv += ["--online-concurrency", "4", "--disable-tqdm", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = {r["workload"]: r for r in result["rows"]}
+    assert list(rows) == ["W1", "W2", "W3", "online c=4"]
+    assert rows["W3"]["num_requests"] == 3 and rows["W1"]["num_requests"] == 6
+    for name in ("W1", "W2", "W3"):
+        r = rows[name]
+        assert 0 < r["matmul_only_s"] < r["elapsed_s"] * 2 and r["output_tokens_per_s"] > 0
+        assert r["matmul_share"] == pytest.approx(r["matmul_only_s"] / r["elapsed_s"])
+    online = rows["online c=4"]
+    assert online["failed"] == 0 and online["num_requests"] == 6
+    assert online["vs_offline"] == pytest.approx(
+        online["output_tokens_per_s"] / rows["W1"]["output_tokens_per_s"]
+    )
