@@ -11,6 +11,7 @@ scale); elsewhere the weight is dequantized and multiplied in the model dtype (t
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.quant import fp8
 
+logger = logging.getLogger(__name__)
 WEIGHT_DTYPE = torch.float8_e4m3fn
 # Decoder linears that hold FP8 weights (embeddings, norms and the LM head stay 16-bit).
 FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -34,8 +36,29 @@ _FP8_NAME_RE = re.compile(
 
 
 def supports_scaled_mm(device: torch.device) -> bool:
-    """Return whether torch._scaled_mm runs FP8 natively here (CUDA, compute capability 8.9+)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """Probe once whether torch._scaled_mm runs FP8 here; log why not (the fallback dequantizes).
+
+    Needs CUDA with compute capability 8.9+ (Ada, Hopper), and a torch build whose kernel runs:
+    a 16 x 16 product is tried, so a broken build falls back at start-up, not mid-request.
+    """
+    why = None
+    if device.type != "cuda":
+        why = f"no FP8 matmul on {device.type}"
+    elif torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        why = f"sm_{major}{minor} has no FP8 tensor cores (needs sm_89+)"
+    else:
+        try:
+            a = torch.zeros((16, 16), device=device).to(WEIGHT_DTYPE)
+            one = torch.ones((), device=device)
+            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        except (RuntimeError, TypeError) as e:
+            why = f"torch._scaled_mm failed ({type(e).__name__}: {str(e).splitlines()[0]})"
+    if why is not None:
+        logger.info("FP8 weights: dequantize then matmul in the compute dtype: %s", why)
+        return False
+    logger.info("FP8 weights: torch._scaled_mm (FP8 tensor cores)")
+    return True
 
 
 def quantize_weight(

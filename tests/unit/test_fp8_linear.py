@@ -143,3 +143,11 @@ def test_fp8_checkpoint_errors_are_clear(llama_dir: Path, tmp_path: Path) -> Non
     config["quantization_config"] = {"quant_method": "awq"}
     with pytest.raises(ValueError, match="unsupported quantization method 'awq'"):
         fp8_linear.fp8_checkpoint_scheme(config)
+
+
+def test_scaled_mm_probe_says_why_it_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+    from infer8.quant.fp8_linear import supports_scaled_mm
+
+    with caplog.at_level("INFO", logger="infer8.quant.fp8_linear"):
+        assert supports_scaled_mm(torch.device("cpu")) is False
+    assert "dequantize then matmul" in caplog.text and "no FP8 matmul on cpu" in caplog.text
