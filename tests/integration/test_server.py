@@ -658,3 +658,31 @@ def test_seed_command_line_serves_and_sigterm_drains_in_flight(llama_dir: Path) 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_prompt_far_over_the_context_is_refused_without_tokenizing(
+    small_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = small_server  # no body-size limit below the prompts sent here
+    tokenizer = server.engine.tokenizer
+    limit_chars = 2 * tokenizer.max_token_chars * server.engine.max_model_len
+    calls: list[int] = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(
+        tokenizer, "encode", lambda text, *a, **k: calls.append(1) or encode(text, *a, **k)
+    )
+    for path, body in [
+        ("/v1/completions", {"model": MODEL, "prompt": "a" * limit_chars, "max_tokens": 1}),
+        ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
+                                  "messages": [{"role": "user", "content": "a" * limit_chars}]}),
+    ]:  # fmt: skip
+        response = httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert f"maximum context length is {server.engine.max_model_len}" in error["message"]
+    assert calls == []  # refused on its length alone
+    # just under the bound is tokenized as usual (and refused by its token count)
+    body = {"model": MODEL, "prompt": "a b " * (limit_chars // 8), "max_tokens": 1}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert calls and response.status_code in (200, 400)
