@@ -70,7 +70,7 @@ class NativeFP8Gather:
         lib = ctypes.CDLL(str(lib_path))
         fn = lib.infer8_gather_dequant_fp8
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int, p, p]
+        fn.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int, p, p, ctypes.c_int]
         fn.restype = None
         self._fn = fn
         gather = lib.infer8_gather_blocks
@@ -120,9 +120,9 @@ class NativeFP8Gather:
         block_ids: torch.Tensor,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        """Fill out [kvh, n, block_size, d] (bf16) with the dequantized blocks `block_ids`."""
+        """Fill out [kvh, n, block_size, d] (bf16 or float32) with the dequantized blocks."""
         assert cache_t.dtype in _FP8 and cache_t.is_contiguous() and cache_t.device.type == "cpu"
-        assert out.dtype == torch.bfloat16 and out.is_contiguous()
+        assert out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous()
         num_kv_heads, num_blocks, block_size, head_dim = cache_t.shape
         ids = block_ids.contiguous()
         assert ids.dtype == torch.int64
@@ -132,8 +132,8 @@ class NativeFP8Gather:
         static_f = None
         if scale_t is None:
             assert static is not None
-            # the reference multiplies by the scale in bf16: round it the same way
-            static_f = static.to(torch.bfloat16).float().expand(num_kv_heads, head_dim).contiguous()
+            # the reference multiplies by the scale in the output dtype: round it the same way
+            static_f = static.to(out.dtype).float().expand(num_kv_heads, head_dim).contiguous()
         self._fn(
             cache_t.data_ptr(),
             None if scale_t is None else scale_t.data_ptr(),
@@ -147,5 +147,6 @@ class NativeFP8Gather:
             int(cache_t.dtype == torch.float8_e5m2),
             ones.data_ptr(),
             out.data_ptr(),
+            int(out.dtype == torch.float32),
         )
         return out

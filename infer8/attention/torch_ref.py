@@ -151,7 +151,8 @@ class TorchRefAttention:
         flat = block_table.reshape(-1)
         shape = (num_kv_heads, *block_table.shape[:-1], -1, head_dim)
         gathered = (num_kv_heads, flat.numel(), block_size, head_dim)
-        if scale_t is not None and self._native is not None and out_dtype == torch.bfloat16:
+        native_dtypes = (torch.bfloat16, torch.float32)
+        if scale_t is not None and self._native is not None and out_dtype in native_dtypes:
             out = (
                 torch.empty(gathered, dtype=out_dtype, device=cache_t.device)
                 if name is None

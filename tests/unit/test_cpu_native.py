@@ -14,10 +14,11 @@ def native(tmp_path_factory: pytest.TempPathFactory) -> NativeFP8Gather:
     return NativeFP8Gather(build_library(tmp_path_factory.mktemp("native")))
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("mode", ["dynamic", "static_head", "static_channel"])
 def test_gather_dequant_matches_reference(
-    native: NativeFP8Gather, dtype: torch.dtype, mode: str
+    native: NativeFP8Gather, dtype: torch.dtype, mode: str, out_dtype: torch.dtype
 ) -> None:
     torch.manual_seed(0)
     kvh, nblk, bs, d = 3, 11, 4, 64
@@ -30,12 +31,12 @@ def test_gather_dequant_matches_reference(
         static = torch.rand(kvh, d) + 0.01
     q = fp8.quantize(x, scale[..., None] if static is None else static[:, None, None, :], dtype)
     ids = torch.tensor([3, 0, 10, 3, 7], dtype=torch.int64)
-    out = torch.full((kvh, len(ids), bs, d), float("nan"), dtype=torch.bfloat16)  # poisoned
+    out = torch.full((kvh, len(ids), bs, d), float("nan"), dtype=out_dtype)  # poisoned
     native(q, scale if static is None else None, static, ids, out)
     if static is None:
-        ref = fp8.dequantize(q[:, ids], scale[:, ids][..., None], torch.bfloat16)
+        ref = fp8.dequantize(q[:, ids], scale[:, ids][..., None], out_dtype)
     else:
-        ref = fp8.dequantize(q[:, ids], static[:, None, None, :], torch.bfloat16)
+        ref = fp8.dequantize(q[:, ids], static[:, None, None, :], out_dtype)
     assert torch.equal(out, ref)
 
 
