@@ -4,8 +4,8 @@ Each session is a multi-turn chat (`/v1/chat/completions`, streamed): a first us
 model's answer, a think time, the next user message with the whole history, and so on; a
 session that has used its turns starts afresh, so the number of live sessions stays fixed.
 For one concurrency the run lasts a window (after a warm-up); it passes when no request fails
-and the p99 TTFT and p99 TPOT of the requests that finished in the window stay within the
-limits. The search doubles the concurrency until a level fails, then bisects between the last
+and the p99 TTFT and p99 TPOT of the requests sent in the window (each run to its end) stay
+within the limits. The search doubles the concurrency until a level fails, then bisects between the last
 pass and the first failure, probing a bounded number of levels. Only standard API fields are
 sent, so the same command measures any OpenAI-compatible server.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import httpx
@@ -116,7 +116,8 @@ async def run_level(
     client: httpx.AsyncClient,
     model: str,
 ) -> LevelResult:
-    """Hold `num_sessions` chat sessions for warm-up + window; judge the window's requests."""
+    """Hold `num_sessions` chat sessions for warm-up + window; judge every request sent in the
+    window once it ends (sessions send nothing new after the window)."""
     url = f"{config.base_url.rstrip('/').removesuffix('/v1')}/v1/chat/completions"
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     start = time.perf_counter()
@@ -124,12 +125,14 @@ async def run_level(
     in_window: list[RequestResult] = []
     rng = random.Random(config.seed + num_sessions)
 
-    async def session_loop(index: int) -> None:
+    async def session_loop() -> None:
         await asyncio.sleep(rng.uniform(0, min(slo.think_time_s, slo.warmup_s)))  # stagger
         while time.perf_counter() < window_end:
             messages: list[dict[str, str]] = []
             for turn in range(slo.num_turns):
-                text, n = texts.message(slo.first_len if turn == 0 else slo.turn_len)
+                if time.perf_counter() >= window_end:
+                    return  # no new request after the window; those sent in it finish
+                text, _ = texts.message(slo.first_len if turn == 0 else slo.turn_len)
                 messages.append({"role": "user", "content": text})
                 (max_tokens,) = slo.output_len.sample(1, rng)
                 body: dict[str, Any] = {
@@ -143,21 +146,16 @@ async def run_level(
                     client, url, headers, body, BenchRequest([], text, max_tokens), True,
                     texts.tokenizer, start,
                 )  # fmt: skip
-                done = time.perf_counter()
-                # judged: sent in the window and over by its end (a failure counts whenever)
-                if window_start <= sent and (done <= window_end or not result.success):
+                if sent >= window_start:  # judged: every request sent in the window
                     in_window.append(result)
-                if not result.success or done >= window_end:
+                if not result.success:
                     return  # a failed session stops: the level has failed anyway
                 messages.append({"role": "assistant", "content": result.generated_text})
                 pause_s = rng.expovariate(1.0 / slo.think_time_s) if slo.think_time_s else 0.0
                 await asyncio.sleep(pause_s)
 
-    tasks = [asyncio.create_task(session_loop(i)) for i in range(num_sessions)]
-    await asyncio.sleep(max(0.0, window_end - time.perf_counter()))
-    for task in tasks:  # requests still running past the window are not judged
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    tasks = [asyncio.create_task(session_loop()) for _ in range(num_sessions)]
+    await asyncio.gather(*tasks)  # the requests sent in the window run to their end
     passed, summary = level_passes(in_window, slo)
     tokens = sum(r.output_tokens for r in in_window if r.success)
     return LevelResult(
@@ -205,8 +203,9 @@ async def find_max_sessions_async(
         "bench": "sessions",
         "base_url": base_url,
         "model": model,
-        "slo": {
-            k: (v.describe() if isinstance(v, LengthSpec) else v) for k, v in asdict(slo).items()
+        "slo": {  # asdict would turn the length specs into dicts: keep their spec strings
+            f.name: (v.describe() if isinstance(v := getattr(slo, f.name), LengthSpec) else v)
+            for f in fields(slo)
         },
         "max_sessions_within_slo": best,
         "search_settled": level is None,

@@ -275,6 +275,7 @@ def test_sessions_at_slo_finds_the_largest_level_within_the_limits(
     assert strict["max_sessions_within_slo"] == 0 and len(strict["levels"]) == 1
     assert "**0 concurrent chat sessions**" in format_sessions(strict)
     assert "| 4 | pass |" in format_sessions(loose)
+    assert loose["slo"]["turn_len"] == "uniform:4:10"  # spec strings, as the flags take them
 
 
 def test_serve_latencies_agree_with_the_official_openai_client(tmp_path: Path) -> None:
