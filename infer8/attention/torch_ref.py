@@ -206,7 +206,8 @@ class TorchRefAttention:
         group = num_heads // num_kv_heads
         # query head h reads KV head h // group (transformers' repeat_kv order). One batched
         # matmul over (KV head, sequence) pairs, not one per KV head: a third of the small ops,
-        # the same values (a decode step's attention went from 18% to a few % of the step).
+        # the same values (end to end no faster on the reference CPU: benchmarks/
+        # decode_attention_ab.py measured 1.01x the step time, within noise).
         qh = q.view(b, num_kv_heads, group, head_dim).transpose(0, 1)
         qh = qh.reshape(num_kv_heads * b, group, head_dim)  # [KVH*B, G, D]
         keys = k.reshape(num_kv_heads * b, ctx_len, head_dim)

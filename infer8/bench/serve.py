@@ -60,6 +60,12 @@ class ServeConfig:
             raise ValueError(f"goodput SLOs are {GOODPUT_METRICS}, got {sorted(bad)}")
 
 
+def server_address(config: ServeConfig) -> tuple[str, dict[str, str]]:
+    """Return the server's base URL (without /v1) and the request headers (the API key)."""
+    base_url, headers = server_address(config)
+    return base_url, headers
+
+
 def parse_goodput(specs: list[str] | None) -> dict[str, float]:
     """Parse ["ttft:500", "tpot:50"] (milliseconds) into {"ttft": 500.0, "tpot": 50.0}."""
     slos = {}
@@ -228,8 +234,7 @@ async def run_serve_async(
     use_tqdm: bool = True,
 ) -> dict[str, Any]:
     """Send every request on its arrival schedule; return metrics and per-request records."""
-    base_url = config.base_url.rstrip("/").removesuffix("/v1")
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    base_url, headers = server_address(config)
     is_chat = config.endpoint == "chat"
     url = f"{base_url}/v1/chat/completions" if is_chat else f"{base_url}/v1/completions"
     limit = config.max_concurrency or len(requests)

@@ -21,7 +21,13 @@ from typing import Any
 import httpx
 
 from infer8.bench.report import fmt, markdown_table, summarize
-from infer8.bench.serve import RequestResult, ServeConfig, _send, fetch_model_id
+from infer8.bench.serve import (
+    RequestResult,
+    ServeConfig,
+    _send,
+    fetch_model_id,
+    server_address,
+)
 from infer8.bench.workload import BenchRequest, LengthSpec, TokenizerLike, load_prompt_corpus
 
 
@@ -118,8 +124,8 @@ async def run_level(
 ) -> LevelResult:
     """Hold `num_sessions` chat sessions for warm-up + window; judge every request sent in the
     window once it ends (sessions send nothing new after the window)."""
-    url = f"{config.base_url.rstrip('/').removesuffix('/v1')}/v1/chat/completions"
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    base_url, headers = server_address(config)
+    url = f"{base_url}/v1/chat/completions"
     start = time.perf_counter()
     window_start, window_end = start + slo.warmup_s, start + slo.warmup_s + slo.window_s
     in_window: list[RequestResult] = []
@@ -173,8 +179,7 @@ async def find_max_sessions_async(
     config: ServeConfig, slo: SessionSLO, tokenizer: TokenizerLike, log: bool = True
 ) -> dict[str, Any]:
     """Search for the most concurrent sessions within the SLO; return every probe and the answer."""
-    base_url = config.base_url.rstrip("/").removesuffix("/v1")
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    base_url, headers = server_address(config)
     texts = _Texts(tokenizer, config.seed)
     levels: list[LevelResult] = []
     passed: dict[int, bool] = {}

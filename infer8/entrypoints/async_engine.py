@@ -566,13 +566,7 @@ class AsyncLLMEngine:
         now_s = time.monotonic()
         if force_saturation or now_s - self._last_saturation_read_s >= _SATURATION_REFRESH_S:
             self._last_saturation_read_s = now_s
-            self.metrics.set_fp8_saturated(
-                sum(
-                    int(c.num_saturated)
-                    for c in self.engine.worker.kv_caches
-                    if c.num_saturated is not None
-                )
-            )
+            self.metrics.set_fp8_saturated(sum(self.engine.kv_saturation_counts()))
 
     def _die(self, error: EngineDeadError) -> None:
         """Fail every request in flight or queued, and refuse new ones."""
