@@ -62,7 +62,8 @@ class ServeConfig:
 
 def server_address(config: ServeConfig) -> tuple[str, dict[str, str]]:
     """Return the server's base URL (without /v1) and the request headers (the API key)."""
-    base_url, headers = server_address(config)
+    base_url = config.base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     return base_url, headers
 
 
