@@ -330,9 +330,11 @@ def test_serve_latencies_agree_with_the_official_openai_client(tmp_path: Path) -
             assert r["completed"] == 2
             ours.append((r["requests"][1]["ttft_s"], r["requests"][1]["tpot_s"]))
             theirs.append(official(request))
-    for i, name in enumerate(("TTFT", "TPOT")):
+    # TTFT: 10% plus 10 ms for the openai client's own request building (pydantic, its httpx
+    # client) that falls inside its timer; TPOT: 10%, nothing client-side inside it.
+    for i, (name, slack_s) in enumerate((("TTFT", 0.010), ("TPOT", 0.0))):
         a, b = statistics.median(x[i] for x in ours), statistics.median(x[i] for x in theirs)
-        assert a == pytest.approx(b, rel=0.10), f"{name}: bench serve {a}, openai client {b}"
+        assert abs(a - b) <= 0.10 * b + slack_s, f"{name}: bench serve {a}, openai client {b}"
 
 
 def test_suite_runs_every_workload_against_its_matmul_roofline(
