@@ -89,6 +89,13 @@ def add_bench_parser(sub: Any) -> None:
     st.add_argument(
         "--scale", type=float, default=1.0, help="multiply request counts and lengths (quick runs)"
     )
+    st.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="offline and online W1 run this many times, alternating; the online/offline ratio "
+        "is reported per pair and as the median (this machine's noise exceeds the gap)",
+    )
     _add_output_args(st)
     st.set_defaults(func=_cmd_suite)
 
@@ -396,6 +403,7 @@ def _cmd_suite(ns: argparse.Namespace) -> int:
         online_concurrency=ns.online_concurrency or None,
         seed=ns.seed,  # the engine's --seed also seeds the workload
         use_tqdm=not ns.disable_tqdm,
+        repeats=ns.repeats,
     )
     _emit(ns, result, format_suite(result))
     return 0 if all(r.get("failed", 0) == 0 for r in result["rows"]) else 1

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from infer8.worker.cpu_linear import linear_matmul
+
 
 @dataclass(frozen=True)
 class ModelFlops:
@@ -132,17 +134,17 @@ def matmul_roofline(
     projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
     projections += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
     num_layers = len(model.layers)
-    param = next(model.parameters())
+    param = model.embed_tokens.weight
     device, dtype = param.device, param.dtype
 
     def layer_matmuls(m: int) -> None:
         for proj in projections:
             x = torch.randn(m, proj.in_features, device=device, dtype=dtype)
-            torch.nn.functional.linear(x, proj.weight)
+            linear_matmul(proj, x)
 
     def head(m: int) -> None:
         x = torch.randn(m, model.config.hidden_size, device=device, dtype=dtype)
-        torch.nn.functional.linear(x, model.lm_head.weight)
+        linear_matmul(model.lm_head, x)
 
     token_sizes = _bucket_sizes(max(step_num_tokens, default=1))
     layer_s = [

@@ -11,9 +11,12 @@ requests.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,10 +105,9 @@ def _serve_argv(args: EngineArgs, port: int) -> list[str]:
     return argv + ["--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning"]
 
 
-def _online(
-    args: EngineArgs, requests: list[BenchRequest], concurrency: int, tokenizer: Any
-) -> dict[str, Any]:
-    from infer8.bench.serve import ServeConfig, run_serve
+@contextmanager
+def _served(args: EngineArgs) -> Iterator[str]:
+    """Run `infer8 serve` with these engine flags in its own process; yield its URL."""
     from infer8.entrypoints.preflight import check_port
 
     sock = check_port("127.0.0.1", 0)
@@ -126,12 +128,27 @@ def _online(
             if time.monotonic() > deadline:
                 raise RuntimeError("infer8 serve did not start within 300 s")
             time.sleep(0.3)
-        config = ServeConfig(base_url=url, max_concurrency=concurrency, ignore_eos=True)
-        run_serve(config, requests[: min(4, len(requests))], tokenizer, use_tqdm=False)  # warm-up
-        result = run_serve(config, requests, tokenizer, use_tqdm=False)
+        yield url
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def _online(
+    url: str,
+    requests: list[BenchRequest],
+    warm_up_requests: list[BenchRequest],
+    concurrency: int,
+    tokenizer: Any,
+) -> dict[str, Any]:
+    """Run W1's requests against the server at `concurrency`, after a warm-up like offline's:
+    a full batch of other prompts of the same lengths (no prefix-cache hit), 4 tokens each."""
+    from infer8.bench.serve import ServeConfig, run_serve
+
+    config = ServeConfig(base_url=url, max_concurrency=concurrency, ignore_eos=True)
+    warm = [dataclasses.replace(r, output_len=4) for r in warm_up_requests[:concurrency]]
+    run_serve(config, warm, tokenizer, use_tqdm=False)
+    result = run_serve(config, requests, tokenizer, use_tqdm=False)
     return {
         "workload": f"online c={concurrency}",
         "mode": "online",
@@ -151,35 +168,69 @@ def run_suite(
     online_concurrency: int | None = 32,
     seed: int = 0,
     use_tqdm: bool = True,
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """Run the named offline workloads on one engine, then W1's requests online; return rows."""
+    """Run the named offline workloads on one engine, then W1's requests online; return rows.
+
+    With repeats > 1, offline W1 and online W1 then run again, alternating, `repeats` pairs in
+    all (both the engine and the server stay loaded): this machine's run-to-run noise (10-30%)
+    is larger than the online/offline gap, so the ratio is judged per pair and by its median.
+    """
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     engine = LLMEngine(args)
-    rows, w1_requests = [], None
+    tokenizer = engine.tokenizer
+    w1 = WORKLOADS["W1"].scaled(scale)
+
+    def w1_requests_seeded(s: int) -> list[BenchRequest]:
+        return make_requests(
+            tokenizer, w1.num_requests, w1.input_len, w1.output_len, s, engine.vocab_size
+        )
+
+    w1_requests = w1_requests_seeded(seed)
+    rows = []
     for name in names:
         w = WORKLOADS[name].scaled(scale)
         requests = make_requests(
-            engine.tokenizer, w.num_requests, w.input_len, w.output_len, seed, engine.vocab_size
+            tokenizer, w.num_requests, w.input_len, w.output_len, seed, engine.vocab_size
         )
         rows.append(_offline(engine, requests, name, use_tqdm))
-        if name == "W1":
-            w1_requests = requests
-    if online_concurrency:
-        if w1_requests is None:
-            w = WORKLOADS["W1"].scaled(scale)
-            w1_requests = make_requests(
-                engine.tokenizer, w.num_requests, w.input_len, w.output_len, seed, engine.vocab_size
-            )
-            rows.append(_offline(engine, w1_requests, "W1", use_tqdm))
-        offline_w1 = next(r for r in rows if r["workload"] == "W1")
-        tokenizer = engine.tokenizer
+    result: dict[str, Any] = {
+        "bench": "suite", "engine_args": dataclasses.asdict(args), "scale": scale, "rows": rows
+    }  # fmt: skip
+    if not online_concurrency:
+        return result
+    offline_w1 = next((r for r in rows if r["workload"] == "W1"), None)
+    if offline_w1 is None:
+        offline_w1 = _offline(engine, w1_requests, "W1", use_tqdm)
+        rows.append(offline_w1)
+    # Each pair runs prompts neither engine has seen (another seed): a repeat of the same
+    # prompts would be served from the prefix cache.
+    batches = [w1_requests_seeded(seed + 1000 * i) for i in range(repeats)]
+    warm_up_requests = w1_requests_seeded(seed + 7919)  # never timed
+    if repeats == 1:
         del engine  # the server process loads its own copy
-        online = _online(args, w1_requests, online_concurrency, tokenizer)
+    pairs = []
+    with _served(args) as url:
+        online = _online(url, w1_requests, warm_up_requests, online_concurrency, tokenizer)
         online["vs_offline"] = online["output_tokens_per_s"] / offline_w1["output_tokens_per_s"]
         rows.append(online)
-    return {"bench": "suite", "engine_args": dataclasses.asdict(args), "scale": scale, "rows": rows}
+        pairs.append(_pair(offline_w1, online))
+        for i in range(1, repeats):
+            offline = _offline(engine, batches[i], f"W1 #{i + 1}", use_tqdm)
+            on = _online(url, batches[i], warm_up_requests, online_concurrency, tokenizer)
+            pairs.append(_pair(offline, on))
+    result["online_vs_offline_pairs"] = pairs
+    result["online_vs_offline_median"] = statistics.median(p["ratio"] for p in pairs)
+    return result
+
+
+def _pair(offline: dict[str, Any], online: dict[str, Any]) -> dict[str, float]:
+    off, on = offline["output_tokens_per_s"], online["output_tokens_per_s"]
+    return {"offline_tokens_per_s": off, "online_tokens_per_s": on, "ratio": on / off}
 
 
 def format_suite(result: dict[str, Any]) -> str:
@@ -203,5 +254,21 @@ def format_suite(result: dict[str, Any]) -> str:
         "## infer8 bench suite\n\n"
         "'matmuls alone': the model's projections and LM head timed on this machine at each "
         "step's token count, summed over the run's steps (attention and everything else "
-        "excluded); 'share': that time over the elapsed time.\n\n" + markdown_table(headers, table)
+        "excluded); 'share': that time over the elapsed time.\n\n"
+        + markdown_table(headers, table)
+        + _format_pairs(result.get("online_vs_offline_pairs", []))
+    )
+
+
+def _format_pairs(pairs: list[dict[str, float]]) -> str:
+    if len(pairs) < 2:
+        return ""
+    each = ", ".join(
+        f"{p['online_tokens_per_s']:.1f}/{p['offline_tokens_per_s']:.1f} = {p['ratio']:.2f}x"
+        for p in pairs
+    )
+    median = statistics.median(p["ratio"] for p in pairs)
+    return (
+        f"\n\nOnline vs offline W1, {len(pairs)} alternating pairs (online/offline tok/s): "
+        f"{each}; median {median:.2f}x.\n"
     )

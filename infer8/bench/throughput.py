@@ -43,11 +43,18 @@ def bench_engine_args(args: EngineArgs, **changes: Any) -> EngineArgs:
     return dataclasses.replace(args, **{k: v for k, v in changes.items() if k in known})
 
 
-def warm_up(engine: LLMEngine, requests: list[BenchRequest], num_requests: int = 4) -> None:
-    """Run a few short requests so one-time costs (compilation, thread pools) are not timed."""
+def warm_up(engine: LLMEngine, requests: list[BenchRequest]) -> None:
+    """Run the workload's largest step shapes once, untimed: one full prefill step, then decode
+    at the full batch, so one-time costs (compilation, thread pools, first-touch allocations at
+    the largest sizes) fall outside the timed run. The warm-up's blocks carry their own cache
+    salt, so the timed run gets no prefix-cache hit from them.
+    """
+    config = engine.scheduler_config
+    count = max(1, min(config.max_num_seqs, len(requests), config.max_num_batched_tokens))
+    prompt_len = max(1, config.max_num_batched_tokens // count)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    for r in requests[:num_requests]:
-        engine.add_request(r.prompt_token_ids[:64], params)
+    for r in requests[:count]:
+        engine.add_request(r.prompt_token_ids[:prompt_len], params, cache_salt="warm-up")
     while engine.has_unfinished_requests():
         engine.step()
 

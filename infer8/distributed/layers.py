@@ -23,7 +23,11 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Project the local slice and all-reduce the partial sums."""
-        return self.group.all_reduce(F.linear(x, self.weight))
+        return self.after_matmul(F.linear(x, self.weight))
+
+    def after_matmul(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial products (also used by a packed CPU copy of this layer)."""
+        return self.group.all_reduce(y)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -54,7 +58,11 @@ class ParallelLMHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return logits [n, vocab_size]: local rows, gathered, padding cut off."""
-        return self.group.all_gather(F.linear(x, self.weight))[..., : self.vocab_size]
+        return self.after_matmul(F.linear(x, self.weight))
+
+    def after_matmul(self, y: torch.Tensor) -> torch.Tensor:
+        """Gather the ranks' logits and cut the padding (also used by a packed CPU copy)."""
+        return self.group.all_gather(y)[..., : self.vocab_size]
 
 
 def row_parallel_linear(

@@ -24,6 +24,7 @@ from infer8.distributed.sharding import TensorParallelShard
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.models.loader import load_model
 from infer8.quant import fp8, kv_scales
+from infer8.worker.cpu_linear import pack_linear_layers, packing_applies, probe_packing
 from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from infer8.worker.memory import (
     CUDA_GRAPH_RESERVE_BYTES,
@@ -67,6 +68,7 @@ class Worker:
             from infer8.quant.fp8_linear import quantize_model_weights, supports_scaled_mm
 
             quantize_model_weights(model, use_scaled_mm=supports_scaled_mm(device))
+        self.packed_linear_layers = self._pack_cpu_weights(model, model_config, scheduler_config)
         arch = model.config
         kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
         tail_tokens, hadamard = resolve_exact_tail(
@@ -132,6 +134,19 @@ class Worker:
             self._capture_cuda_graphs()
 
     # -- construction helpers -------------------------------------------------------------
+    def _pack_cpu_weights(
+        self, model: LlamaForCausalLM, model_config: ModelConfig, sched: SchedulerConfig
+    ) -> int:
+        """Pack float32 CPU linear weights for oneDNN once (see cpu_linear.py); how many."""
+        if not packing_applies(model_config.device, model_config.dtype):
+            return 0
+        batch_hint = min(sched.max_num_seqs, 256)
+        reason = probe_packing(batch_hint)
+        if reason is not None:
+            logger.warning("CPU linear layers stay unpacked: %s", reason)
+            return 0
+        return pack_linear_layers(model, batch_hint)
+
     def _kv_budget_bytes(self, model: LlamaForCausalLM, model_config: ModelConfig) -> int:
         """Return the KV cache budget (see worker/memory.py) and print where it came from.
 

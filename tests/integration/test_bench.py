@@ -343,7 +343,7 @@ def test_suite_runs_every_workload_against_its_matmul_roofline(
     out = tmp_path / "suite.json"
     argv = ["bench", "suite", str(llama_dir), "--dtype", "float32", "--scale", "0.1"]
     argv += ["--kv-cache-memory-bytes", str(4 << 20), "--max-num-seqs", "8"]
-    argv += ["--online-concurrency", "4", "--disable-tqdm", "--json", str(out)]
+    argv += ["--online-concurrency", "4", "--repeats", "2", "--disable-tqdm", "--json", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     rows = {r["workload"]: r for r in result["rows"]}
@@ -357,4 +357,14 @@ def test_suite_runs_every_workload_against_its_matmul_roofline(
     assert online["failed"] == 0 and online["num_requests"] == 6
     assert online["vs_offline"] == pytest.approx(
         online["output_tokens_per_s"] / rows["W1"]["output_tokens_per_s"]
+    )
+    # --repeats 2: the first pair is the table's rows, the second a fresh offline/online pair
+    pairs = result["online_vs_offline_pairs"]
+    assert len(pairs) == 2 and pairs[0]["ratio"] == pytest.approx(online["vs_offline"])
+    assert all(
+        p["ratio"] == pytest.approx(p["online_tokens_per_s"] / p["offline_tokens_per_s"])
+        for p in pairs
+    )
+    assert result["online_vs_offline_median"] == pytest.approx(
+        (pairs[0]["ratio"] + pairs[1]["ratio"]) / 2
     )

@@ -92,7 +92,8 @@ _GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 def default_step_timeout_s(engine: LLMEngine) -> float:
     """Return the watchdog limit: 4x a pessimistic time for the largest step, at least 120 s."""
-    num_params = sum(p.numel() for p in engine.worker.model.parameters())
+    model = engine.worker.model  # packed CPU and FP8 weights are buffers
+    num_params = sum(t.numel() for t in (*model.parameters(), *model.buffers()))
     tokens = engine.scheduler_config.max_num_batched_tokens
     flops = 2 * num_params * tokens
     rate = _WATCHDOG_FLOPS_PER_S.get(engine.model_config.device.type, 10e9)

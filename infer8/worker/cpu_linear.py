@@ -1,0 +1,115 @@
+"""CPU linear layers over oneDNN-prepacked float32 weights.
+
+`F.linear` on CPU hands the weight to the BLAS in its plain [out, in] layout, and the BLAS
+repacks it on every call. At decode sizes that repacking is most of the cost: on a 2-core AVX2
+EPYC, 32 x 576 x 3072 ran at 74-84 GFLOP/s through `F.linear` and 123 prepacked; the
+LM head (32 x 576 x 49152) at 50 against 96; a 4,096-token prefill chunk at 73-76 against
+94-111 (benchmarks/cpu_linear.py). Packing once at start-up, as inductor's freezing does, keeps
+the same arithmetic in another order: results differ from `F.linear` by float32 rounding only.
+
+Only float32 on CPU is packed: that is what was measured. bf16 on CPUs with bf16 units would
+go through the same oneDNN call but has not been measured here, so it keeps `F.linear`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer8.distributed.layers import ParallelLMHead, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+
+def _packed_matmul(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight lives only in oneDNN's packed layout (CPU, float32).
+
+    `after` is what the replaced layer did with its matmul's output under tensor parallelism
+    (all-reduce, all-gather); None for a plain layer.
+    """
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        batch_hint: int,
+        after: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.bias = linear.bias
+        self.after = after
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Return x @ weight.T (+ bias), before any tensor-parallel collective."""
+        return _packed_matmul(x, self.packed_weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        return y if self.after is None else self.after(y)
+
+
+def linear_matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Return a linear layer's matmul alone (packed or not, no collective): for timing."""
+    if isinstance(module, PackedLinear):
+        return module.matmul(x)
+    if type(module) in (nn.Linear, RowParallelLinear, ParallelLMHead):
+        return F.linear(x, module.weight, module.bias)
+    return module(x)  # e.g. an FP8-weight layer: its own kernel
+
+
+def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Return whether CPU weight packing is used for this device and compute dtype."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def probe_packing(batch_hint: int) -> str | None:
+    """Return why packed linear layers cannot be used here, or None when they work and agree."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(96, 64, generator=gen)
+        x = torch.randn(5, 64, generator=gen)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        out = _packed_matmul(x, packed, None)
+    except (RuntimeError, AttributeError) as e:
+        return f"oneDNN packed linear is unavailable ({type(e).__name__}: {e})"
+    ref = F.linear(x, weight)
+    if not torch.allclose(out, ref, rtol=1e-5, atol=1e-5):
+        return (
+            f"oneDNN packed linear disagrees with F.linear (max diff {(out - ref).abs().max():.2e})"
+        )
+    return None
+
+
+def pack_linear_layers(model: nn.Module, batch_hint: int) -> int:
+    """Replace the model's float32 nn.Linear layers (TP ones included) with PackedLinear.
+
+    The plain weights are dropped once packed, except a tied LM head's, which the embedding
+    still reads (the packed copy is extra memory: vocab x hidden). Returns how many layers.
+    """
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) not in (nn.Linear, RowParallelLinear, ParallelLMHead):
+                continue
+            if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
+                continue
+            after = (
+                child.after_matmul
+                if isinstance(child, RowParallelLinear | ParallelLMHead)
+                else None
+            )
+            setattr(parent, name, PackedLinear(child, batch_hint, after))
+            replaced += 1
+    return replaced
