@@ -54,10 +54,13 @@ def main() -> None:
             plain_s, packed_s = [], []
             with torch.no_grad():
                 for _ in range(args.rounds):
-                    plain_s.append(_time_s(lambda: F.linear(x, linear.weight), calls))
-                    packed_s.append(_time_s(lambda: packed(x), calls))
+                    plain_s.append(_time_s(lambda x=x, w=linear.weight: F.linear(x, w), calls))
+                    packed_s.append(_time_s(lambda x=x, p=packed: p(x), calls))
             flops = 2 * m * k * n
-            a, b = flops / statistics.median(plain_s) / 1e9, flops / statistics.median(packed_s) / 1e9
+            a, b = (
+                flops / statistics.median(plain_s) / 1e9,
+                flops / statistics.median(packed_s) / 1e9,
+            )
             print(f"| {name} {k}x{n} | {m} | {a:.0f} | {b:.0f} | {b / a:.2f}x |")
 
 
