@@ -103,6 +103,27 @@ def default_dtype(device: torch.device, cpuinfo: str | None = None) -> torch.dty
     return torch.bfloat16
 
 
+# --max-num-batched-tokens when not given (see docs/benchmarks.md, "Chunk size on CPU").
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
+_GIB = 1 << 30
+
+
+def cuda_max_num_batched_tokens(total_memory_bytes: int, device_name: str) -> int:
+    """Return vLLM's serving default for a GPU: 8192 tokens on GPUs with >= 70 GiB except A100s
+    (H100, H200, MI300X), 2048 elsewhere. Not re-measured by infer8 (no GPU here)."""
+    if total_memory_bytes >= 70 * _GIB and "a100" not in device_name.lower():
+        return 8192
+    return 2048
+
+
+def default_max_num_batched_tokens(device: torch.device) -> int:
+    """Resolve --max-num-batched-tokens "auto" for this device."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return cuda_max_num_batched_tokens(props.total_memory, props.name)
+    return CPU_MAX_NUM_BATCHED_TOKENS
+
+
 def resolve_device(device: str) -> torch.device:
     """Resolve "auto" to cuda when present, else cpu."""
     if device == "auto":
@@ -218,7 +239,7 @@ class EngineArgs:
     kv_cache_exact_tail_tokens: int | None = None
     kv_cache_hadamard: bool | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     scheduler: str = "continuous"
     tensor_parallel_size: int = 1
     generation_config: str = "auto"
@@ -266,7 +287,9 @@ class EngineArgs:
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_tokens=default_max_num_batched_tokens(device)
+            if self.max_num_batched_tokens is None
+            else self.max_num_batched_tokens,
             scheduler=self.scheduler,
         )
         return model_config, cache_config, scheduler_config

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infer8.config import cuda_max_num_batched_tokens
 from infer8.worker import memory
 
 GiB = 1 << 30
@@ -239,13 +240,16 @@ class PlanInputs:
     max_model_len: int | None = None
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: the engine's auto for this GPU
     activation_reserve_bytes: int | None = None  # None: the engine's estimate
     use_kv_scales: bool = True
     # FP8 exact tail: max_num_seqs rings of N - 1 bf16 tokens (0: the engine's auto on CUDA)
     kv_cache_exact_tail_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None:
+            auto = cuda_max_num_batched_tokens(self.device.memory_bytes, self.device.name)
+            object.__setattr__(self, "max_num_batched_tokens", auto)
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(
                 f"unknown weight dtype {self.weight_dtype!r}; choose one of "
@@ -647,7 +651,12 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="default: the engine's on that GPU (8192 with >= 70 GiB except A100s, else 2048)",
+    )
     parser.add_argument(
         "--activation-reserve-gib",
         type=float,

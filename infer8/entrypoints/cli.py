@@ -46,7 +46,8 @@ HELP: dict[str, str] = {
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes across requests "
     "(ignored by --scheduler static)",
     "max_num_seqs": "most requests in one batch",
-    "max_num_batched_tokens": "most tokens computed in one step (prefill chunks + decodes)",
+    "max_num_batched_tokens": "most tokens computed in one step (prefill chunks + decodes); "
+    "None = auto: 8192 on GPUs with >= 70 GiB except A100s, 2048 on other GPUs and on CPU",
     "scheduler": "continuous (iteration-level) batching, or the static baseline",
     "tensor_parallel_size": "split the model over N processes, one per device (under torchrun: "
     "one per launched rank)",

@@ -252,11 +252,18 @@ def test_cli_custom_device_and_text_report(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_plan_flags_follow_the_engine_flags() -> None:
-    from infer8.config import EngineArgs
+    from infer8.config import EngineArgs, cuda_max_num_batched_tokens
 
     defaults = EngineArgs()
     inputs = PlanInputs(model=QWEN72, device=H100)
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization"):
+    for name in ("block_size", "max_num_seqs", "gpu_memory_utilization"):
         assert getattr(inputs, name) == getattr(defaults, name), name
+    # both resolve "auto" with the same rule: the engine from the GPU it runs on
+    assert defaults.max_num_batched_tokens is None
+    assert (
+        inputs.max_num_batched_tokens
+        == 8192
+        == cuda_max_num_batched_tokens(H100.memory_bytes, H100.name)
+    )
     assert inputs.kv_cache_dtype == defaults.kv_cache_dtype
     assert list(KV_ELEMENT_BYTES) == CHOICES["kv_cache_dtype"]
