@@ -1,11 +1,11 @@
 """CPU linear layers over oneDNN-prepacked float32 weights.
 
 `F.linear` on CPU hands the weight to the BLAS in its plain [out, in] layout, and the BLAS
-repacks it on every call. At decode sizes that repacking is most of the cost: on a 2-core AVX2
-EPYC, 32 x 576 x 3072 ran at 74-84 GFLOP/s through `F.linear` and 123 prepacked; the
-LM head (32 x 576 x 49152) at 50 against 96; a 4,096-token prefill chunk at 73-76 against
-94-111 (benchmarks/cpu_linear.py). Packing once at start-up, as inductor's freezing does, keeps
-the same arithmetic in another order: results differ from `F.linear` by float32 rounding only.
+repacks it on every call. At decode sizes that repacking is a large part of the cost: on a
+2-core AVX2 EPYC (`python benchmarks/cpu_linear.py`), the default model's projections at 32
+rows ran 1.24-1.62x faster prepacked and its LM head 2.12x; at 4,096 rows (prefill) the two are
+within noise (0.95-1.07x). Packing once at start-up, as inductor's freezing does, keeps the
+same arithmetic in another order: results differ from `F.linear` by float32 rounding only.
 
 Only float32 on CPU is packed: that is what was measured. bf16 on CPUs with bf16 units would
 go through the same oneDNN call but has not been measured here, so it keeps `F.linear`.
@@ -23,6 +23,9 @@ from torch import nn
 from infer8.distributed.layers import ParallelLMHead, RowParallelLinear
 
 logger = logging.getLogger(__name__)
+
+
+_LINEAR_TYPES = (nn.Linear, RowParallelLinear, ParallelLMHead)  # exactly these, not subclasses
 
 
 def _packed_matmul(
@@ -64,7 +67,7 @@ def linear_matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Return a linear layer's matmul alone (packed or not, no collective): for timing."""
     if isinstance(module, PackedLinear):
         return module.matmul(x)
-    if type(module) in (nn.Linear, RowParallelLinear, ParallelLMHead):
+    if type(module) in _LINEAR_TYPES:
         return F.linear(x, module.weight, module.bias)
     return module(x)  # e.g. an FP8-weight layer: its own kernel
 
@@ -101,7 +104,7 @@ def pack_linear_layers(model: nn.Module, batch_hint: int) -> int:
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) not in (nn.Linear, RowParallelLinear, ParallelLMHead):
+            if type(child) not in _LINEAR_TYPES:
                 continue
             if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
                 continue
