@@ -1,8 +1,9 @@
 """Sweep the FP8 exact tail and Hadamard rotation on one text: KL, top-1, perplexity vs the auto cache.
 
-    python benchmarks/kv_tail_sweep.py float32 areopagitica.txt fp8_e4m3:0:0 fp8_e4m3:16:1
+    python benchmarks/kv_tail_sweep.py float32 areopagitica.txt fp8_e4m3:0:0 fp8_e4m3:24:1:4
 
-Each variant is KV_DTYPE:TAIL_TOKENS:HADAMARD(0/1); the same teacher-forced scoring as
+Each variant is KV_DTYPE:TAIL_TOKENS:HADAMARD(0/1)[:SINK_TOKENS] (sinks: auto when left out);
+the same teacher-forced scoring as
 `infer8 eval kv` (2,048 tokens, 512-token chunks through the engine's paged cache).
 """
 
@@ -29,11 +30,12 @@ def main(dtype: str, text: str, variants: list[str]) -> None:
     nll_ref = -ref_lp[:-1].gather(1, target).mean().item()
     del ref
     for v in variants:
-        kv, tail, rot = v.split(":")
+        kv, tail, rot, *sinks = v.split(":")
         engine = LLMEngine(
             EngineArgs(
                 kv_cache_dtype=kv,
                 kv_cache_exact_tail_tokens=int(tail),
+                kv_cache_exact_sink_tokens=int(sinks[0]) if sinks else None,
                 kv_cache_hadamard=rot == "1",
                 **common,
             )

@@ -165,13 +165,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # FP8 only (see attention/exact_tail.py): None = auto, resolved once by the engine.
     kv_cache_exact_tail_tokens: int | None = None
+    kv_cache_exact_sink_tokens: int | None = None
     kv_cache_hadamard: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.kv_cache_exact_tail_tokens is not None and self.kv_cache_exact_tail_tokens < 0:
-            raise ValueError(
-                f"kv_cache_exact_tail_tokens must be >= 0, got {self.kv_cache_exact_tail_tokens}"
-            )
+        for name in ("kv_cache_exact_tail_tokens", "kv_cache_exact_sink_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -237,6 +238,7 @@ class EngineArgs:
     kv_scales_path: str | None = None
     enable_prefix_caching: bool = True
     kv_cache_exact_tail_tokens: int | None = None
+    kv_cache_exact_sink_tokens: int | None = None
     kv_cache_hadamard: bool | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -283,6 +285,7 @@ class EngineArgs:
             kv_scales_path=self.kv_scales_path,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_exact_tail_tokens=self.kv_cache_exact_tail_tokens,
+            kv_cache_exact_sink_tokens=self.kv_cache_exact_sink_tokens,
             kv_cache_hadamard=self.kv_cache_hadamard,
         )
         scheduler_config = SchedulerConfig(

@@ -243,8 +243,10 @@ class PlanInputs:
     max_num_batched_tokens: int | None = None  # None: the engine's auto for this GPU
     activation_reserve_bytes: int | None = None  # None: the engine's estimate
     use_kv_scales: bool = True
-    # FP8 exact tail: max_num_seqs rings of N - 1 bf16 tokens (0: the engine's auto on CUDA)
+    # FP8 exact tail: max_num_seqs stores of N - 1 + S FP8 residual tokens (0: the engine's
+    # auto on CUDA)
     kv_cache_exact_tail_tokens: int = 0
+    kv_cache_exact_sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -310,12 +312,17 @@ def kv_bytes_per_token(inputs: PlanInputs, num_kv_heads: int) -> int:
 
 
 def exact_tail_bytes(inputs: PlanInputs) -> int:
-    """Return one device's FP8 exact-tail rings: max_num_seqs x (N - 1) bf16 tokens."""
-    if not inputs.is_fp8_kv or inputs.kv_cache_exact_tail_tokens < 2:
+    """Return one device's FP8 exact-tail stores: max_num_seqs x (N - 1 + S) residual tokens.
+
+    A residual token costs what an FP8 token with scales does (E4M3 plus a bf16 scale per head).
+    """
+    if not inputs.is_fp8_kv or inputs.kv_cache_exact_tail_tokens < 1:
         return 0
     m = inputs.model
-    per_token = 2 * inputs.num_kv_heads_per_device * m.head_dim * BF16_BYTES * m.num_hidden_layers
-    return inputs.max_num_seqs * (inputs.kv_cache_exact_tail_tokens - 1) * per_token
+    heads = inputs.num_kv_heads_per_device
+    per_token = 2 * heads * (m.head_dim + BF16_BYTES) * m.num_hidden_layers
+    store = inputs.kv_cache_exact_tail_tokens - 1 + inputs.kv_cache_exact_sink_tokens
+    return inputs.max_num_seqs * store * per_token
 
 
 def estimate_activation_bytes(inputs: PlanInputs) -> int:
@@ -380,6 +387,7 @@ class Plan:
             "block_size": i.block_size,
             "max_num_seqs": i.max_num_seqs,
             "kv_cache_exact_tail_tokens": i.kv_cache_exact_tail_tokens,
+            "kv_cache_exact_sink_tokens": i.kv_cache_exact_sink_tokens,
             "kv_exact_tail_bytes_per_device": exact_tail_bytes(i),
             "max_num_batched_tokens": i.max_num_batched_tokens,
             "weights_gib_per_device": _gib(self.weight_bytes_per_device),
@@ -646,8 +654,15 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-exact-tail-tokens",
         type=int,
         default=0,
-        help="FP8 KV: exact tail window; its rings (max_num_seqs x (N-1) bf16 tokens) come out "
-        "of the KV budget (default: 0, the engine's auto on CUDA; 16 on CPU)",
+        help="FP8 KV: exact tail window; its stores (max_num_seqs x (N-1+S) FP8 residual "
+        "tokens) come out of the KV budget (default: 0, the engine's auto on CUDA; 24 on CPU)",
+    )
+    parser.add_argument(
+        "--kv-cache-exact-sink-tokens",
+        type=int,
+        default=0,
+        help="FP8 KV with a tail: first tokens of each sequence kept at 16-bit precision "
+        "(S above; 4 on CPU)",
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -711,6 +726,7 @@ def plan_inputs_from(ns: argparse.Namespace) -> list[PlanInputs]:
             activation_reserve_bytes=reserve,
             use_kv_scales=ns.kv_scales,
             kv_cache_exact_tail_tokens=ns.kv_cache_exact_tail_tokens,
+            kv_cache_exact_sink_tokens=ns.kv_cache_exact_sink_tokens,
         )
         for weight_dtype in ns.weight_dtype
         for kv_cache_dtype in ns.kv_cache_dtype

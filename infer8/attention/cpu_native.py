@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from infer8.quant import fp8
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "fp8_gather.c"
@@ -77,6 +79,11 @@ class NativeFP8Gather:
         gather.argtypes = [p, p, i64, i64, i64, i64, p]
         gather.restype = None
         self._gather = gather
+        residual = lib.infer8_tail_residual
+        residual.argtypes = [p, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                             ctypes.c_float, p, p, p]  # fmt: skip
+        residual.restype = None
+        self._residual = residual
         self._ones: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -150,3 +157,32 @@ class NativeFP8Gather:
             int(out.dtype == torch.float32),
         )
         return out
+
+    def tail_residual(
+        self, x: torch.Tensor, block_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return (E4M3 residual, its scales, block value + residual) of x's rows in one pass.
+
+        x: [..., head_dim] bf16 or float32; the block value is x quantized as write_kv does it
+        (dynamic scales, `block_dtype`). Bit for bit what exact_tail's torch functions return.
+        """
+        assert x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+        assert block_dtype in _FP8 and x.shape[-1] <= 512
+        x = x.contiguous()
+        head_dim = x.shape[-1]
+        res_q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+        res_scale = torch.empty(x.shape[:-1], dtype=fp8.SCALE_DTYPE)
+        tail = torch.empty_like(x)
+        self._residual(
+            x.data_ptr(),
+            x.numel() // head_dim,
+            head_dim,
+            int(x.dtype == torch.float32),
+            int(block_dtype == torch.float8_e5m2),
+            fp8.SCALE_ROUND_UP / fp8.fp8_max(block_dtype),
+            fp8.SCALE_ROUND_UP / fp8.fp8_max(torch.float8_e4m3fn),
+            res_q.data_ptr(),
+            res_scale.data_ptr(),
+            tail.data_ptr(),
+        )
+        return res_q, res_scale, tail

@@ -1,20 +1,29 @@
-"""The exact tail of an FP8 KV cache: each sequence's latest tokens read in the compute dtype.
+"""The exact tail of an FP8 KV cache: each sequence's latest and first tokens at 16-bit precision.
 
 One rule for prefill, chunked prefill and decode: a query at position `a` reads the keys and
-values of positions (a - W, a] exactly and everything older from the FP8 blocks. So a request's
-numbers do not depend on how the scheduler chunks it or whether it was preempted and recomputed.
-Storage:
+values of positions (a - W, a] and the sequence's first S positions (its "attention sinks")
+near-exactly, and everything else from the FP8 blocks. So a request's numbers do not depend on
+how the scheduler chunks it or whether it was preempted and recomputed. Storage:
 
 - the FP8 blocks hold every token, quantized on write exactly as without a tail (dynamic
   per-token scales make "quantize when it leaves the window" the same values), so a
   prefix-cached block is always the quantized one and hits stay bit-identical;
-- per layer, a ring of W - 1 exact tokens per row (`k_tail`, `v_tail` on LayerKVCache) holds
-  the positions just before a step's own tokens; a row is a seat: the model runner gives one
-  to each running request (TailRows), so the ring costs max_num_seqs x (W - 1) tokens;
-- a step's own tokens come straight from the K/V projection; the ring is updated after
-  attention (a long chunk would otherwise overwrite the positions it still has to read).
+- beside them, a second FP8 (E4M3) layer holds the *residual* of the tail's tokens: x minus its
+  dequantized block value, with its own per-token scale. Block value + residual carries about 8
+  mantissa bits (a bf16 copy's precision) at one byte per element, so the tail costs what FP8
+  tokens cost, whatever the compute dtype. Every value a query reads "exactly" is block value +
+  residual, a step's own tokens too;
+- per layer, a store ([num_kv_heads, rows, W - 1 + S, head_dim] + scales) gives each seat a ring
+  of W - 1 positions (those just before a step's own tokens; the model runner gives one row to
+  each running request, TailRows) and S sink positions;
+- sinks are keyed by the request's first block (SinkSlots): the request that computes block 0
+  writes them, and a request that hits that block in the prefix cache reads the same residuals,
+  so a shared system prompt keeps exact sinks. A hit whose block has lost its sinks (its slot was
+  reused) reads them quantized;
+- the ring is updated after attention (a long chunk would otherwise overwrite the positions it
+  still has to read); sinks before it (a request may hit a block computed in the same step).
 
-A request's row holds exact values only from the first position it computed since it was given
+A request's row holds ring values only from the first position it computed since it was given
 the row (`exact_start`): after a prefix-cache hit at `h`, queries in [h, h + W - 1) read the
 cached positions before `h` quantized (a hit is never recomputed to refill the ring).
 
@@ -33,14 +42,30 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer8.attention.split_prefill import Band, KeyRange
+from infer8.quant import fp8
+
 if TYPE_CHECKING:
     from infer8.worker.kv_cache import KVCacheSpec
 
-# Measured on the default model (docs/accuracy.md, "Exact tail"): the window (the largest that
-# keeps bench capacity's FP8/bf16 ratio >= 1.9x at 1,024 tokens) and the rotation, used when the
-# flags are left on auto for an FP8 cache on the reference (CPU) backend.
-DEFAULT_EXACT_TAIL_TOKENS = 16
+# Measured on the default model (docs/accuracy.md, "Exact tail"), used when the flags are left on
+# auto for an FP8 cache on the reference (CPU) backend: the window and the sinks (together they
+# keep bench capacity's FP8/bf16 ratio >= 1.9x at 1,024 tokens) and the rotation.
+DEFAULT_EXACT_TAIL_TOKENS = 24
+DEFAULT_EXACT_SINK_TOKENS = 4
 DEFAULT_HADAMARD = True
+# The residual layer is E4M3 whatever the cache's format: it is scaled per token, so it needs
+# precision, not range (an E5M2 residual would leave ~6 mantissa bits instead of ~8).
+RESIDUAL_DTYPE = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class ExactTailConfig:
+    """The resolved tail of one cache: window W, sinks S, rotation."""
+
+    tokens: int = 0
+    sink_tokens: int = 0
+    hadamard: bool = False
 
 
 def resolve_exact_tail(
@@ -50,14 +75,17 @@ def resolve_exact_tail(
     is_reference_backend: bool,
     has_static_scales: bool,
     head_dim: int,
-) -> tuple[int, bool]:
-    """Return (exact tail tokens, rotate keys) for a cache; None means auto.
+    sink_tokens: int | None = None,
+    block_size: int = 16,
+) -> ExactTailConfig:
+    """Return the window, sinks and rotation of a cache; None means auto.
 
-    Auto turns both on only for an FP8 cache on the reference backend (the Triton kernels do
+    Auto turns them on only for an FP8 cache on the reference backend (the Triton kernels do
     not read a tail yet) with dynamic scales (static scales are calibrated on unrotated K).
+    Sinks need a window (they share its store) and fit in the first block (they are keyed by it).
     """
     if not is_fp8:
-        return 0, False
+        return ExactTailConfig()
     pow2 = head_dim & (head_dim - 1) == 0
     if hadamard and has_static_scales:
         raise ValueError("kv_cache_hadamard needs dynamic scales (--kv-scale dynamic)")
@@ -65,21 +93,30 @@ def resolve_exact_tail(
         raise ValueError(f"kv_cache_hadamard needs a power-of-two head_dim, got {head_dim}")
     if tail_tokens is None:
         tail_tokens = DEFAULT_EXACT_TAIL_TOKENS if is_reference_backend else 0
+    if sink_tokens is None:
+        sink_tokens = DEFAULT_EXACT_SINK_TOKENS if tail_tokens else 0
+    if sink_tokens and not tail_tokens:
+        raise ValueError("kv_cache_exact_sink_tokens needs kv_cache_exact_tail_tokens >= 1")
+    if sink_tokens > block_size:
+        raise ValueError(
+            f"kv_cache_exact_sink_tokens ({sink_tokens}) must fit in one block "
+            f"(block_size {block_size})"
+        )
     if hadamard is None:
         hadamard = DEFAULT_HADAMARD and is_reference_backend and pow2
         hadamard = hadamard and not has_static_scales
-    return tail_tokens, hadamard
+    return ExactTailConfig(tail_tokens, sink_tokens, hadamard)
 
 
 def describe_exact_tail(spec: KVCacheSpec, num_rows: int) -> str:
-    """Return the start-up line's suffix: the tail's window, seats and memory; rotation."""
+    """Return the start-up line's suffix: the tail's window, sinks, seats and memory; rotation."""
     parts = []
     if spec.exact_tail_tokens:
         mib = spec.tail_bytes(num_rows) / (1 << 20)
-        dtype = str(spec.tail_dtype).removeprefix("torch.")
         parts.append(
-            f"exact tail {spec.exact_tail_tokens} tokens ({num_rows} seats x "
-            f"{spec.tail_ring_tokens} {dtype} tokens = {mib:.1f} MiB, counted)"
+            f"exact tail {spec.exact_tail_tokens} tokens + {spec.exact_sink_tokens} sinks "
+            f"({num_rows} seats x {spec.tail_store_tokens} FP8 residual tokens = {mib:.1f} MiB, "
+            "counted)"
         )
     if spec.hadamard:
         parts.append("Hadamard-rotated keys")
@@ -100,177 +137,221 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return (x.float() @ rotation).to(x.dtype)
 
 
-class TailRows:
-    """Gives each running request a ring row and remembers where its exact values start."""
+def quantize_residual(x: torch.Tensor, x_block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the residual x - x_block as E4M3 values and per-row scales ([..., d], [...])."""
+    r = x.float() - x_block.float()
+    scale = fp8.dynamic_scale(r, RESIDUAL_DTYPE)
+    return fp8.quantize(r, scale[..., None], RESIDUAL_DTYPE), scale
 
-    def __init__(self, num_rows: int) -> None:
-        self._free = list(range(num_rows - 1, -1, -1))
-        self._req_to_row: dict[str, tuple[int, int]] = {}
 
-    def release(self, req_ids: list[str]) -> None:
-        """Return the rows of finished or preempted requests."""
-        for req_id in req_ids:
-            entry = self._req_to_row.pop(req_id, None)
-            if entry is not None:
-                self._free.append(entry[0])
-
-    def release_all(self) -> None:
-        """Return every row (the engine was reset)."""
-        self.release(list(self._req_to_row))
-
-    def row_for(self, req_id: str, num_computed_tokens: int) -> tuple[int, int]:
-        """Return (row, exact_start), giving the request a row first if it has none."""
-        entry = self._req_to_row.get(req_id)
-        if entry is None:
-            assert self._free, "more running requests than exact-tail rows (max_num_seqs)"
-            entry = self._req_to_row[req_id] = (self._free.pop(), num_computed_tokens)
-        return entry
+def add_residual(
+    x_block: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """Return block value + dequantized residual in x_block's dtype (the tail's value)."""
+    return x_block + fp8.dequantize(residual, scale[..., None], x_block.dtype)
 
 
 @dataclass
 class TailMetadata:
-    """Where this step's sequences read and write their exact tail."""
+    """Where this step's sequences read and write their tail.
+
+    Writes use store slots (`row * stride + offset`); reads use indices into the dequantized
+    rows `read_rows` of the store (`i * stride + offset` for the i-th read row), so a step
+    dequantizes only the rows it reads, once per layer. A decode sequence's tail enters its
+    attention as corrections q.r to the scores and p.r to the output at the tail's positions
+    (block value + residual, distributed), not as rewritten keys.
+    """
 
     window: int  # W: a query at position a reads (a - W, a] exactly
-    ring_size: int  # W - 1 tokens per row
+    ring_size: int  # W - 1 ring positions per row
     exact_starts: list[int]  # per sequence: first position its row holds exactly
-    ring_read_slots: list[torch.Tensor]  # per sequence: ring slots of [lo, first new position)
+    num_sinks: list[int]  # per sequence: first positions read exactly (0: sinks lost)
+    read_rows: torch.Tensor  # [r] int64: the store rows this step reads
+    ring_read_slots: list[torch.Tensor]  # per sequence: read indices of [lo, first new position)
+    sink_read_slots: list[torch.Tensor]  # per sequence: read indices of [0, min(S, lo))
     write_token_ids: torch.Tensor  # [n] int64: flat-batch tokens that enter the ring
-    write_slots: torch.Tensor  # [n] int64: their ring slots (row * ring_size + pos % ring_size)
-    # decode overlay of old positions: (row in the decode batch, position, ring slot)
-    decode_overlay: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-    def ring_lo(self, seq_idx: int, first_new_pos: int) -> int:
-        """Return the first position a sequence reads exactly from the ring."""
-        return max(self.exact_starts[seq_idx], first_new_pos - self.ring_size)
+    write_slots: torch.Tensor  # [n] int64: their store slots
+    sink_write_token_ids: torch.Tensor  # [m] int64: flat-batch tokens that are sinks
+    sink_write_slots: torch.Tensor  # [m] int64: their store slots
+    decode_new: torch.Tensor  # [num_decode] int64: each new token's index in the gathered [B * L]
+    # decode: per sequence, the positions of its 2 * stride read residuals (its ring row,
+    # then its sink slot's row) and whether each holds one (1.0) or is unused (0.0)
+    decode_pos: torch.Tensor  # [num_decode, 2 * stride] int64
+    decode_valid: torch.Tensor  # [num_decode, 2 * stride] float32
 
 
 def build_tail_metadata(
     window: int,
+    sink_tokens: int,
     rows: list[int],
     exact_starts: list[int],
+    sinks: list[tuple[int, bool]],
     query_lens: list[int],
     num_computed_tokens: list[int],
     decode_seq_ids: list[int],
+    decode_ctx_len: int,
     device: torch.device,
 ) -> TailMetadata:
-    """Build the tail's per-step indices from each sequence's row and progress."""
+    """Build the tail's per-step indices from each sequence's row, sink slot and progress.
+
+    decode_ctx_len: L, the padded length each decode sequence's context is gathered to.
+
+    A row's store holds ring positions p at offset `p % ring` and a sink slot's positions
+    p < S at offset `ring + p` of row `slot` (each row is ring + S wide). The rows read start
+    with two per decode sequence (its ring row, then its sink slot's row), then the rows the
+    prefill sequences read.
+    """
     assert window >= 1
-    ring = window - 1
-    meta = TailMetadata(window, ring, exact_starts, [], *_empty(2, device), _empty(3, device))
-    write_tokens: list[int] = []
-    write_slots: list[int] = []
+    ring, stride = window - 1, window - 1 + sink_tokens
+    decode = set(decode_seq_ids)
+    read_rows: list[int] = []
+    dec_pos: list[list[int]] = []
+    dec_valid: list[list[float]] = []
+    for i in decode_seq_ids:
+        s0, slot = num_computed_tokens[i], sinks[i][0]
+        lo = max(exact_starts[i], s0 - ring)
+        read_rows += [rows[i], max(slot, 0)]
+        # ring offset j holds the position p in [s0 - ring, s0) with p % ring == j
+        ring_pos = [s0 - ring + (j - (s0 - ring)) % ring for j in range(ring)]
+        num_sinks_read = min(sink_tokens if slot >= 0 else 0, lo)
+        pos = ring_pos + [0] * sink_tokens + [0] * ring + list(range(sink_tokens))
+        valid = [float(p >= lo) for p in ring_pos] + [0.0] * (sink_tokens + ring)
+        valid += [float(p < num_sinks_read) for p in range(sink_tokens)]
+        dec_pos.append([p if v else 0 for p, v in zip(pos, valid)])
+        dec_valid.append(valid)
+    prefill_rows: dict[int, int] = {}  # store row -> its index among the rows read
+
+    def read(row: int, offset: int) -> int:
+        index = prefill_rows.setdefault(row, len(read_rows) + len(prefill_rows))
+        return index * stride + offset
+
+    lists: dict[str, list[int]] = {k: [] for k in ("wt", "ws", "st", "ss")}
+    ring_reads, sink_reads, num_sinks = [], [], []
     token_start = 0
-    for row, start, q_len, s0 in zip(rows, exact_starts, query_lens, num_computed_tokens):
+    for i, (row, start, (slot, writes), q_len, s0) in enumerate(
+        zip(rows, exact_starts, sinks, query_lens, num_computed_tokens)
+    ):
         lo = max(start, s0 - ring)
-        meta.ring_read_slots.append(
-            torch.tensor([row * ring + p % ring for p in range(lo, s0)], dtype=torch.int64).to(
-                device
-            )
+        num_sinks.append(sink_tokens if slot >= 0 else 0)
+        is_prefill = i not in decode
+        sink_reads.append(
+            [read(slot, ring + p) for p in range(min(num_sinks[-1], lo))] if is_prefill else []
         )
+        ring_reads.append([read(row, p % ring) for p in range(lo, s0)] if is_prefill else [])
         if ring:
             for p in range(max(s0, s0 + q_len - ring), s0 + q_len):
-                write_tokens.append(token_start + p - s0)
-                write_slots.append(row * ring + p % ring)
+                lists["wt"].append(token_start + p - s0)
+                lists["ws"].append(row * stride + p % ring)
+        if writes:
+            for p in range(s0, min(s0 + q_len, sink_tokens)):
+                lists["st"].append(token_start + p - s0)
+                lists["ss"].append(slot * stride + ring + p)
         token_start += q_len
-    meta.write_token_ids = torch.tensor(write_tokens, dtype=torch.int64, device=device)
-    meta.write_slots = torch.tensor(write_slots, dtype=torch.int64, device=device)
-    b_idx: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    for b, i in enumerate(decode_seq_ids):
-        s0 = num_computed_tokens[i]
-        for p in range(meta.ring_lo(i, s0), s0):
-            b_idx.append(b)
-            pos.append(p)
-            slots.append(rows[i] * ring + p % ring)
-    meta.decode_overlay = tuple(  # type: ignore[assignment]
-        torch.tensor(x, dtype=torch.int64, device=device) for x in (b_idx, pos, slots)
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    return TailMetadata(
+        window,
+        ring,
+        exact_starts,
+        num_sinks,
+        t(read_rows + list(prefill_rows)),
+        [t(x) for x in ring_reads],
+        [t(x) for x in sink_reads],
+        t(lists["wt"]),
+        t(lists["ws"]),
+        t(lists["st"]),
+        t(lists["ss"]),
+        t([b * decode_ctx_len + num_computed_tokens[i] for b, i in enumerate(decode_seq_ids)]),
+        t(dec_pos).view(len(decode_seq_ids), 2 * stride),
+        torch.tensor(dec_valid, dtype=torch.float32, device=device).view(
+            len(decode_seq_ids), 2 * stride
+        ),
     )
-    return meta
 
 
-def _empty(n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.empty(0, dtype=torch.int64, device=device) for _ in range(n))
-
-
-def write_ring(
-    k_ring: torch.Tensor, v_ring: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tail: TailMetadata
+def write_store(
+    store: tuple[torch.Tensor, torch.Tensor],
+    residual: tuple[torch.Tensor, torch.Tensor],
+    token_ids: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
-    """Store the step's last W - 1 tokens per sequence in the rings (after attention).
+    """Store residuals of the step's tokens `token_ids` at `slots`.
 
-    k_ring, v_ring: [num_kv_heads, num_rows, W - 1, head_dim]; k, v: [tokens, kvh, head_dim].
+    store: ([kvh, rows, stride, d] E4M3, [kvh, rows, stride] scales); residual: ([tokens, kvh, d],
+    [tokens, kvh]).
     """
-    if tail.write_slots.numel() == 0:
+    if slots.numel() == 0:
         return
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    for ring, x in ((k_ring, k), (v_ring, v)):
-        flat = ring.view(num_kv_heads, -1, head_dim)
-        flat[:, tail.write_slots] = x[tail.write_token_ids].transpose(0, 1).to(ring.dtype)
+    values, scales = store
+    kvh, d = values.shape[0], values.shape[-1]
+    values.view(kvh, -1, d)[:, slots] = residual[0][token_ids].transpose(0, 1)
+    scales.view(kvh, -1)[:, slots] = residual[1][token_ids].transpose(0, 1)
 
 
-def overlay_decode(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_ring: torch.Tensor,
-    v_ring: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    seq_lens: torch.Tensor,
-    tail: TailMetadata,
-) -> None:
-    """Replace the dequantized tail of each decode sequence with its exact values, in place.
+def write_decode_new(x: torch.Tensor, new: torch.Tensor, tail: TailMetadata) -> None:
+    """Put each decode sequence's new token's tail value at its position, in place.
 
-    k, v: [kvh, B, L, head_dim] gathered blocks; k_new, v_new: [B, kvh, head_dim], the new
-    token of each decode sequence (at position seq_lens - 1).
+    x: [kvh, B, L, head_dim] gathered, dequantized blocks; new: [B, kvh, head_dim].
     """
-    b_idx, pos, slots = tail.decode_overlay
-    rows = torch.arange(k.shape[1], device=k.device)
-    for x, ring, new in ((k, k_ring, k_new), (v, v_ring, v_new)):
-        if slots.numel():
-            x[:, b_idx, pos] = ring.view(ring.shape[0], -1, ring.shape[-1])[:, slots]
-        x[:, rows, seq_lens - 1] = new.transpose(0, 1).to(x.dtype)
+    kvh, batch, ctx_len, d = x.shape
+    flat = x.view(kvh, batch * ctx_len, d)
+    flat.index_copy_(1, tail.decode_new, new.transpose(0, 1).to(x.dtype))
 
 
-def prefill_kv_and_mask(
+def decode_residuals(residuals: torch.Tensor, num_decode: int, width: int) -> torch.Tensor:
+    """Return the decode sequences' read residuals as [kvh * B, width, d] (width = 2 * stride).
+
+    residuals: [kvh, rows read * stride, d]; the decode sequences' rows come first.
+    """
+    kvh, d = residuals.shape[0], residuals.shape[-1]
+    return residuals[:, : num_decode * width].reshape(kvh * num_decode, width, d)
+
+
+def prefill_parts(
     k: torch.Tensor,
     v: torch.Tensor,
-    k_ring: torch.Tensor,
-    v_ring: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
+    residuals: tuple[torch.Tensor, torch.Tensor],
+    new: tuple[torch.Tensor, torch.Tensor],
     ring_slots: torch.Tensor,
+    sink_slots: torch.Tensor,
+    num_sinks: int,
     exact_start: int,
     window: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Return one sequence's keys, values and mask for SDPA over its quantized + exact K/V.
+) -> tuple[list[KeyRange], Band]:
+    """Return one sequence's key ranges and band for split_prefill_attention.
 
-    k, v: [kvh, seq_len, d] dequantized; k_new, v_new: [q_len, kvh, d], this step's tokens
-    (positions seq_len - q_len ...). Keys are the quantized positions some query still reads
-    quantized, then the exact positions [lo, seq_len); a None mask means plain causal.
+    k, v: [kvh, seq_len, d] dequantized blocks; residuals: the dequantized store rows (K's and
+    V's, see TailMetadata); new: [q_len, kvh, d] tail values of this step's K and V. Query at
+    position a reads quantized position j iff j <= a - W or j < exact_start (the first
+    num_sinks of them at tail precision), and tail values at (a - W, a].
     """
-    seq_len, q_len = k.shape[1], k_new.shape[0]
+    seq_len, q_len = k.shape[1], new[0].shape[0]
     s0 = seq_len - q_len
     lo = s0 - ring_slots.numel()
-    # quantized position j is read by query a iff j <= a - W or j < exact_start
     num_quant = min(seq_len, max(seq_len - window, exact_start, 0))
-    exact_k, exact_v = (
-        torch.cat(
-            [
-                ring.view(ring.shape[0], -1, ring.shape[-1])[:, ring_slots],
-                new.transpose(0, 1).to(ring.dtype),
-            ],
-            dim=1,
-        ).to(k.dtype)
-        for ring, new in ((k_ring, k_new), (v_ring, v_new))
-    )
-    if num_quant == 0 and lo == 0 and q_len == seq_len:
-        return exact_k, exact_v, None  # everything is exact: plain causal attention
-    a = torch.arange(s0, seq_len, device=k.device)[:, None]  # query positions
-    jq = torch.arange(num_quant, device=k.device)[None, :]
-    je = torch.arange(lo, seq_len, device=k.device)[None, :]
-    quant_ok = (jq <= a) & ((jq <= a - window) | (jq < exact_start))
-    exact_ok = (je <= a) & (je > a - window)
-    keys = torch.cat([k[:, :num_quant], exact_k], dim=1)
-    values = torch.cat([v[:, :num_quant], exact_v], dim=1)
-    return keys, values, torch.cat([quant_ok, exact_ok], dim=1)
+    num_sink = min(num_sinks, num_quant)
+    # the band covers positions [s0 - W + 1, seq_len); below lo it is never read
+    pad = lo - (s0 - window + 1)
+    quant, exact = [], []
+    for x, res, x_new in zip((k, v), residuals, new):
+        band = x.new_zeros(x.shape[0], pad + seq_len - lo, x.shape[2])
+        band[:, pad : pad + s0 - lo] = x[:, lo:s0]  # ring positions: block value + residual
+        if ring_slots.numel():
+            band[:, pad : pad + s0 - lo] += res[:, ring_slots]
+        band[:, pad + s0 - lo :] = x_new.transpose(0, 1)
+        if num_sink:  # the sinks among the quantized keys (x is this call's own dequantized
+            # copy, and the band was taken first): from the store, or from the band
+            from_store = min(num_sink, lo)
+            x[:, :from_store] += res[:, sink_slots[:from_store]]
+            x[:, from_store:num_sink] = band[:, pad + from_store - lo : pad + num_sink - lo]
+        quant.append(x[:, :num_quant])
+        exact.append(band)
+    # every query sees quantized [0, f); query s0 + i sees [f, s0 + i - W] too
+    f = min(num_quant, max(exact_start, s0 - window + 1, 0))
+    ranges = [
+        KeyRange(quant[0][:, :f], quant[1][:, :f]),
+        KeyRange(quant[0][:, f:], quant[1][:, f:], causal=True, q_start=f - s0 + window),
+    ]
+    return ranges, Band(exact[0], exact[1], window, pad)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from infer8.attention import exact_tail
 from infer8.attention.cpu_native import NativeFP8Gather
 from infer8.attention.metadata import AttentionMetadata
+from infer8.attention.split_prefill import KeyRange, split_prefill_attention
 from infer8.quant import fp8
 from infer8.worker.kv_cache import LayerKVCache
 
@@ -185,6 +186,7 @@ class TorchRefAttention:
         meta: AttentionMetadata,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residuals: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attend one query token per sequence over its cached context, GQA-aware.
 
@@ -195,12 +197,11 @@ class TorchRefAttention:
         table = meta.decode_block_tables
         k = self._read(cache.k, cache.k_scale, cache.k_static_scale, table, q.dtype, "k")
         v = self._read(cache.v, cache.v_scale, cache.v_static_scale, table, q.dtype, "v")
-        if new_kv is not None:  # the exact tail replaces the last W dequantized positions
-            assert meta.tail is not None and cache.k_tail is not None and cache.v_tail is not None
-            seq_lens = meta.decode_mask.view(q.shape[0], -1).sum(-1)
-            exact_tail.overlay_decode(
-                k, v, cache.k_tail, cache.v_tail, *new_kv, seq_lens, meta.tail
-            )
+        tail = meta.tail
+        if new_kv is not None:  # the new tokens' tail values; older tail positions: below
+            assert tail is not None and residuals is not None
+            exact_tail.write_decode_new(k, new_kv[0], tail)
+            exact_tail.write_decode_new(v, new_kv[1], tail)
         b, num_heads, head_dim = q.shape
         num_kv_heads, _, ctx_len, _ = k.shape  # k, v: [KVH, B, L, D]
         group = num_heads // num_kv_heads
@@ -212,10 +213,25 @@ class TorchRefAttention:
         qh = qh.reshape(num_kv_heads * b, group, head_dim)  # [KVH*B, G, D]
         keys = k.reshape(num_kv_heads * b, ctx_len, head_dim)
         scores = torch.bmm(qh, keys.transpose(1, 2)).float() * scale  # [KVH*B, G, L]
+        width = 0 if tail is None or residuals is None else tail.decode_pos.shape[1]
+        if width:  # tail positions: q.(block + residual) = the score above + q.residual
+            assert tail is not None and residuals is not None
+            pos = tail.decode_pos[None, :, None, :].expand(num_kv_heads, b, group, width)
+            valid = tail.decode_valid[None, :, None, :]
+            res_k = exact_tail.decode_residuals(residuals[0], b, width)
+            corr = torch.bmm(qh, res_k.transpose(1, 2)).float() * scale
+            scores.view(num_kv_heads, b, group, ctx_len).scatter_add_(
+                3, pos, corr.view(num_kv_heads, b, group, width) * valid
+            )
         pad = ~meta.decode_mask.view(1, b, 1, -1)  # True past each sequence's end
         scores.view(num_kv_heads, b, group, ctx_len).masked_fill_(pad, -float("inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.bmm(probs, v.reshape(num_kv_heads * b, ctx_len, head_dim))
+        if width:  # and p.(block + residual) = the output above + p.residual
+            assert tail is not None and residuals is not None
+            p_tail = probs.view(num_kv_heads, b, group, ctx_len).gather(3, pos)
+            p_tail = (p_tail * valid.to(p_tail.dtype)).view(num_kv_heads * b, group, width)
+            out = out + torch.bmm(p_tail, exact_tail.decode_residuals(residuals[1], b, width))
         return (
             out.view(num_kv_heads, b, group, head_dim)
             .transpose(0, 1)
@@ -235,8 +251,9 @@ class TorchRefAttention:
 
         q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]; padding
         tokens (index >= meta.num_real_tokens) get zeros. With an exact tail (meta.tail),
-        k_new / v_new are this step's K/V ([num_real_tokens, num_kv_heads, head_dim]): the
-        window's exact values (see exact_tail.py); the rings are updated afterwards.
+        k_new / v_new are this step's K/V ([num_real_tokens, num_kv_heads, head_dim]): their
+        residuals over the FP8 block values give the tail's values (see exact_tail.py); sinks
+        are stored before attention, the rings after.
         """
         if cache.k_rotation is not None:
             q = exact_tail.rotate(q, cache.k_rotation)
@@ -245,15 +262,72 @@ class TorchRefAttention:
             if v_new is not None and cache.rotate_values:
                 v_new = exact_tail.rotate(v_new, cache.k_rotation)
         if meta.tail is None:
-            out = self._attend(q, cache, meta, scale, None, None)
+            out = self._attend(q, cache, meta, scale, None)
         else:
             assert k_new is not None and v_new is not None
-            out = self._attend(q, cache, meta, scale, k_new, v_new)
-            assert cache.k_tail is not None and cache.v_tail is not None
-            exact_tail.write_ring(cache.k_tail, cache.v_tail, k_new, v_new, meta.tail)
+            assert cache.kv_tail is not None
+            tail = meta.tail
+            residual, values = self._tail_values(cache, k_new, v_new)
+            store = cache.kv_tail
+            exact_tail.write_store(
+                store, residual, tail.sink_write_token_ids, tail.sink_write_slots
+            )
+            out = self._attend(q, cache, meta, scale, values)
+            exact_tail.write_store(store, residual, tail.write_token_ids, tail.write_slots)
         if cache.k_rotation is not None and cache.rotate_values:
             out = exact_tail.rotate(out, cache.k_rotation)  # H is its own inverse
         return out
+
+    def _read_tail_store(
+        self, store: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Return the tail store's rows `rows` dequantized: [kvh, len(rows) * stride, d].
+
+        With the native kernel, one pass (eager FP8 casts are the slow part of a decode step).
+        """
+        values, scales = store
+        num_kv_heads, _, stride, head_dim = values.shape
+        shape = (num_kv_heads, rows.numel(), stride, head_dim)
+        if self._native is not None and dtype in (torch.bfloat16, torch.float32):
+            out = torch.empty(shape, dtype=dtype, device=values.device)
+            return self._native(values, scales, None, rows, out).view(num_kv_heads, -1, head_dim)
+        deq = fp8.dequantize(
+            values.index_select(1, rows), scales.index_select(1, rows)[..., None], dtype
+        )
+        return deq.view(num_kv_heads, -1, head_dim)
+
+    def _tail_values(
+        self, cache: LayerKVCache, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """Return the residual (values [n, 2 * kvh, d], scales [n, 2 * kvh]: K's heads, then
+        V's) and the tail values of this step's K and V.
+
+        One native pass over K and V together where it applies (dynamic scales, bf16/float32:
+        the same bits as the torch functions, which serve everything else).
+        """
+        n, kvh, _ = k_new.shape
+        kv = torch.stack([k_new, v_new], dim=1)  # [n, 2, kvh, d]
+        native = self._native is not None and k_new.dtype in (torch.bfloat16, torch.float32)
+        if native and cache.k_static_scale is None:
+            assert self._native is not None
+            res_q, res_scale, tail = self._native.tail_residual(kv, cache.k.dtype)
+        else:
+            statics = (cache.k_static_scale, cache.v_static_scale)
+            block = [
+                self._block_value(x, cache.k.dtype, s) for x, s in zip((k_new, v_new), statics)
+            ]
+            x_block = torch.stack(block, dim=1)
+            res_q, res_scale = exact_tail.quantize_residual(kv, x_block)
+            tail = exact_tail.add_residual(x_block, res_q, res_scale)
+        return (res_q.view(n, 2 * kvh, -1), res_scale.view(n, 2 * kvh)), (tail[:, 0], tail[:, 1])
+
+    @staticmethod
+    def _block_value(
+        x: torch.Tensor, cache_dtype: torch.dtype, static: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Return x as write_kv stores it and _read returns it: quantized, dequantized."""
+        scale = fp8.dynamic_scale(x, cache_dtype)[..., None] if static is None else static
+        return fp8.dequantize(fp8.quantize(x, scale, cache_dtype), scale, x.dtype)
 
     def _attend(
         self,
@@ -261,16 +335,23 @@ class TorchRefAttention:
         cache: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
-        k_new: torch.Tensor | None,
-        v_new: torch.Tensor | None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         out = torch.zeros_like(q)
         dtype = q.dtype
         tail = meta.tail
+        residuals = None
+        if tail is not None:
+            assert cache.kv_tail is not None
+            kv_res = self._read_tail_store(cache.kv_tail, tail.read_rows, dtype)
+            num_kv_heads = kv_res.shape[0] // 2
+            residuals = (kv_res[:num_kv_heads], kv_res[num_kv_heads:])
         if meta.decode_seq_ids:
             ids = meta.decode_token_ids
-            new_kv = None if k_new is None or v_new is None else (k_new[ids], v_new[ids])
-            o = self._decode(q[ids], cache, meta, scale, new_kv)
+            decode_kv = new_kv
+            if new_kv is not None and len(meta.decode_seq_ids) != q.shape[0]:
+                decode_kv = (new_kv[0][ids], new_kv[1][ids])
+            o = self._decode(q[ids], cache, meta, scale, decode_kv, residuals)
             if len(meta.decode_seq_ids) == q.shape[0]:
                 return o  # an all-decode batch: token i is sequence i
             out[ids] = o
@@ -282,33 +363,40 @@ class TorchRefAttention:
             k = self._read(cache.k, cache.k_scale, cache.k_static_scale, table, dtype)[:, :seq_len]
             v = self._read(cache.v, cache.v_scale, cache.v_static_scale, table, dtype)[:, :seq_len]
             qs = q[start:end].transpose(0, 1)  # [H, q_len, D]
-            mask = None
-            if tail is not None:
-                assert k_new is not None and v_new is not None
-                assert cache.k_tail is not None and cache.v_tail is not None
-                k, v, mask = exact_tail.prefill_kv_and_mask(
-                    k,
-                    v,
-                    cache.k_tail,
-                    cache.v_tail,
-                    k_new[start:end],
-                    v_new[start:end],
-                    tail.ring_read_slots[i],
-                    tail.exact_starts[i],
-                    tail.window,
-                )
-            elif q_len != seq_len:
-                # query j sits at position seq_len - q_len + j and sees keys up to it
-                rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+            if tail is not None or q_len != seq_len:
+                # a tail, or a chunk after cached positions: key ranges each query sees
+                # differently, merged by log-sum-exp (no [q_len, keys] mask: see
+                # split_prefill.py)
+                s0 = seq_len - q_len
+                if tail is not None:
+                    assert new_kv is not None and residuals is not None
+                    ranges, band = exact_tail.prefill_parts(
+                        k,
+                        v,
+                        residuals,
+                        (new_kv[0][start:end], new_kv[1][start:end]),
+                        tail.ring_read_slots[i],
+                        tail.sink_read_slots[i],
+                        tail.num_sinks[i],
+                        tail.exact_starts[i],
+                        tail.window,
+                    )
+                else:
+                    ranges = [
+                        KeyRange(k[:, :s0], v[:, :s0]),
+                        KeyRange(k[:, s0:], v[:, s0:], causal=True),
+                    ]
+                    band = None
+                o = split_prefill_attention(qs, ranges, band, scale)
+                out[start:end] = o.transpose(0, 1)
+                continue
             # 4-D inputs: on CPU, 3-D ones fall back to SDPA's unfused math path (explicit
             # mask, bmm + softmax), measured 6x slower on a 2,048-token prompt.
             o = F.scaled_dot_product_attention(
                 qs[None],
                 k[None],
                 v[None],
-                attn_mask=mask,
-                is_causal=mask is None,
+                is_causal=True,
                 scale=scale,
                 enable_gqa=True,
             )

@@ -597,7 +597,7 @@ def write_kv(
         args.k_static, args.v_static, saturated,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *args.strides,
         num_kv_heads, head_dim, fmax,
-        fp8._SCALE_ROUND_UP / fmax if is_fp8 else 1.0, fp8._MIN_SCALE,
+        fp8.SCALE_ROUND_UP / fmax if is_fp8 else 1.0, fp8._MIN_SCALE,
         BLOCK_SIZE=cache.block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),

@@ -9,6 +9,7 @@
 // FP8 -> float32 by moving the sign, exponent and mantissa bits into float32 position and
 // multiplying by 2^(127 - bias): exact for normal and subnormal FP8 values (E4M3 bias 7, E5M2
 // bias 15). The loop is plain C so the compiler vectorizes it for the host's SIMD width.
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -98,6 +99,91 @@ void infer8_gather_blocks(const uint8_t* cache, const int64_t* block_ids, int64_
         for (int64_t i = 0; i < num_ids; i++) {
             memcpy(out + (h * num_ids + i) * block_bytes,
                    cache + (h * num_blocks + block_ids[i]) * block_bytes, (size_t)block_bytes);
+        }
+    }
+}
+
+// ---- The FP8 cache's exact tail (attention/exact_tail.py): block value + E4M3 residual ----
+//
+// float32 -> FP8 with round-to-nearest-even, as torch's casts do (inputs are clamped to the
+// format's max first, so only the saturating branch of an overflow is kept). Values below the
+// smallest normal are rounded by adding a power of two that puts the FP8 subnormal grid on
+// float32's last mantissa bits; normal values by adding half an FP8 ulp (minus one, plus the
+// kept bit's oddness: ties to even) and truncating.
+static inline uint8_t float_to_fp8(float f, int is_e5m2) {
+    const int mant = is_e5m2 ? 2 : 3, bias = is_e5m2 ? 15 : 7;
+    const uint32_t max_bits = is_e5m2 ? 0x476FFFFFu : 0x43EFFFFFu;  // below 61440 / 480
+    uint32_t b = float_to_bits(f);
+    const uint32_t sign = b & 0x80000000u;
+    b ^= sign;
+    uint8_t r;
+    if (b > max_bits) {
+        r = is_e5m2 ? 0x7B : 0x7E;  // the largest finite value
+    } else if (b < (uint32_t)(127 - bias + 1) << 23) {
+        const uint32_t magic = (uint32_t)(127 - bias + 23 - mant + 1) << 23;
+        r = (uint8_t)(float_to_bits(bits_to_float(b) + bits_to_float(magic)) - magic);
+    } else {
+        const int shift = 23 - mant;
+        const uint32_t odd = (b >> shift) & 1u;
+        b += ((uint32_t)(bias - 127) << 23) + ((1u << (shift - 1)) - 1u) + odd;
+        r = (uint8_t)(b >> shift);
+    }
+    return r | (uint8_t)(sign >> 24);
+}
+
+static inline float bf16_value(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
+
+// fp8.dynamic_scale: amax * (1 + 2^-7) / format max, at least 1e-12, rounded to bf16.
+static inline uint16_t dynamic_scale(float amax, float per_amax) {
+    float s = amax * per_amax;
+    return float_to_bf16(s < 1e-12f ? 1e-12f : s);
+}
+
+// Round a float32 to the compute dtype (bf16 when !out_f32) and back.
+static inline float to_dtype(float f, int out_f32) {
+    return out_f32 ? f : bf16_value(float_to_bf16(f));
+}
+
+// For each row of x ([rows, d], bf16 bits or float32): quantize it as the FP8 cache does on
+// write (dynamic per-row scale, format `block_is_e5m2`), take the residual x - block value,
+// quantize that to E4M3 with its own scale, and return block value + dequantized residual (the
+// value the tail reads), in the compute dtype: the same numbers, bit for bit, as the torch
+// path in torch_ref.py (`_block_value`, `quantize_residual`, `add_residual`).
+void infer8_tail_residual(const void* x, int64_t rows, int64_t d, int x_f32, int block_is_e5m2,
+                          float block_per_amax, float e4m3_per_amax, uint8_t* res_q,
+                          uint16_t* res_scale, void* tail) {
+    const float block_max = block_is_e5m2 ? 57344.0f : 448.0f;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float v[512], xb[512];
+        if (d > 512) continue;  // the caller checks head_dim
+        for (int64_t j = 0; j < d; j++) {
+            v[j] = x_f32 ? ((const float*)x)[r * d + j] : bf16_value(((const uint16_t*)x)[r * d + j]);
+        }
+        float amax = 0.0f;
+        for (int64_t j = 0; j < d; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float s1 = bf16_value(dynamic_scale(amax, block_per_amax));
+        float ramax = 0.0f;
+        for (int64_t j = 0; j < d; j++) {
+            float y = fminf(fmaxf(v[j] / s1, -block_max), block_max);
+            uint8_t q = float_to_fp8(y, block_is_e5m2);
+            float deq = block_is_e5m2 ? e5m2_value(q) : e4m3_value(q);
+            xb[j] = to_dtype(deq * s1, x_f32);
+            ramax = fmaxf(ramax, fabsf(v[j] - xb[j]));
+        }
+        const uint16_t s2_bits = dynamic_scale(ramax, e4m3_per_amax);
+        const float s2 = bf16_value(s2_bits);
+        res_scale[r] = s2_bits;
+        for (int64_t j = 0; j < d; j++) {
+            float y = fminf(fmaxf((v[j] - xb[j]) / s2, -448.0f), 448.0f);
+            uint8_t q = float_to_fp8(y, 0);
+            res_q[r * d + j] = q;
+            float out = to_dtype(xb[j] + to_dtype(e4m3_value(q) * s2, x_f32), x_f32);
+            if (x_f32) {
+                ((float*)tail)[r * d + j] = out;
+            } else {
+                ((uint16_t*)tail)[r * d + j] = float_to_bf16(out);
+            }
         }
     }
 }

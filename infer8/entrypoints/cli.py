@@ -39,8 +39,12 @@ HELP: dict[str, str] = {
     "gpu_memory_utilization": "fraction of device memory (RAM on CPU) for weights+activations+KV",
     "kv_scale": "FP8 KV scaling: dynamic per-token scales, or static per-layer scales",
     "kv_scales_path": "JSON file of static KV scales made by `infer8 calibrate-kv`",
-    "kv_cache_exact_tail_tokens": "FP8 cache: each sequence's last N tokens are read exactly "
-    "(compute dtype; costs max_num_seqs x (N-1) tokens of it); None = auto: 16 on CPU, 0 on CUDA",
+    "kv_cache_exact_tail_tokens": "FP8 cache: each sequence's last N tokens are read at 16-bit "
+    "precision (an E4M3 residual beside the block; costs max_num_seqs x (N-1) FP8 tokens); "
+    "None = auto: 24 on CPU, 0 on CUDA",
+    "kv_cache_exact_sink_tokens": "FP8 cache with a tail: each sequence's first N tokens (its "
+    "attention sinks) are read at 16-bit precision too (max_num_seqs x N FP8 tokens; at most "
+    "--block-size); None = auto: 4 where the tail is on",
     "kv_cache_hadamard": "FP8 cache: Hadamard-rotate K/q and V/output per head before "
     "quantizing; None = auto: on for dynamic scales on CPU, off on CUDA",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes across requests "
@@ -204,8 +208,9 @@ def _add_eval_parsers(sub: Any) -> None:
     kv.add_argument(
         "--variants",
         action="store_true",
-        help="rows for E4M3 (before / + exact tail / + Hadamard / default) and E5M2 per text "
-        "and dtype, plus greedy agreement on fixed chat prompts",
+        help="rows for E4M3 (before / + tail / + tail and sinks / + Hadamard / + tail and "
+        "Hadamard / default) and E5M2 per text and dtype, plus greedy agreement on fixed chat "
+        "prompts",
     )
     kv.add_argument("--texts", default="areopagitica.txt,hamlet_act1.txt", help="--variants")
     kv.add_argument("--dtypes", default="float32,bfloat16", help="--variants: compute dtypes")

@@ -1,4 +1,4 @@
-"""`infer8 eval kv --variants`: per-variant rows (E4M3 today, + exact tail, + Hadamard, E5M2).
+"""`infer8 eval kv --variants`: per-variant rows (E4M3 before, + tail, + sinks, + Hadamard, E5M2).
 
 For each compute dtype and text, every variant's teacher-forced log-probabilities are compared
 with the same model's 16/32-bit cache (kv_cache_dtype auto); greedy agreement runs a fixed set
@@ -22,20 +22,19 @@ from infer8.eval.scoring import score_tokens
 from infer8.sampling_params import SamplingParams
 
 # None leaves a flag on auto (the measured defaults of attention/exact_tail.py).
+_E4M3 = dict(kv_cache_dtype="fp8_e4m3")
 VARIANTS: dict[str, dict[str, Any]] = {
-    "e4m3, no tail, no rotation (before)": dict(
-        kv_cache_dtype="fp8_e4m3", kv_cache_exact_tail_tokens=0, kv_cache_hadamard=False
-    ),
-    "e4m3 + exact tail": dict(
-        kv_cache_dtype="fp8_e4m3", kv_cache_exact_tail_tokens=None, kv_cache_hadamard=False
-    ),
-    "e4m3 + Hadamard": dict(
-        kv_cache_dtype="fp8_e4m3", kv_cache_exact_tail_tokens=0, kv_cache_hadamard=True
-    ),
-    "e4m3 default (tail + Hadamard)": dict(
-        kv_cache_dtype="fp8_e4m3", kv_cache_exact_tail_tokens=None, kv_cache_hadamard=None
-    ),
-    "e5m2 default (tail + Hadamard)": dict(
+    "e4m3, no tail, no rotation (before)": _E4M3
+    | dict(kv_cache_exact_tail_tokens=0, kv_cache_hadamard=False),
+    "e4m3 + tail": _E4M3
+    | dict(kv_cache_exact_tail_tokens=None, kv_cache_exact_sink_tokens=0, kv_cache_hadamard=False),
+    "e4m3 + tail + sinks": _E4M3 | dict(kv_cache_exact_tail_tokens=None, kv_cache_hadamard=False),
+    "e4m3 + Hadamard": _E4M3 | dict(kv_cache_exact_tail_tokens=0, kv_cache_hadamard=True),
+    "e4m3 + tail + Hadamard": _E4M3
+    | dict(kv_cache_exact_tail_tokens=None, kv_cache_exact_sink_tokens=0, kv_cache_hadamard=None),
+    "e4m3 default (tail + sinks + Hadamard)": _E4M3
+    | dict(kv_cache_exact_tail_tokens=None, kv_cache_hadamard=None),
+    "e5m2 default (tail + sinks + Hadamard)": dict(
         kv_cache_dtype="fp8_e5m2", kv_cache_exact_tail_tokens=None, kv_cache_hadamard=None
     ),
 }
@@ -149,6 +148,7 @@ def run_kv_variants(
                         "dtype": dtype,
                         "text": text,
                         "exact_tail_tokens": spec.exact_tail_tokens,
+                        "exact_sink_tokens": spec.exact_sink_tokens,
                         "hadamard": spec.hadamard,
                         "num_tokens_evaluated": len(toks) - 1,
                     }
@@ -177,6 +177,7 @@ def format_row(r: dict[str, Any]) -> str:
     """Return one markdown table row of a variant's scores."""
     return (
         f"| {r['variant']} | {r['dtype']} | {r['text']} | {r['exact_tail_tokens']} | "
+        f"{r['exact_sink_tokens']} | "
         f"{'yes' if r['hadamard'] else 'no'} | {100 * r['top1_agreement']:.2f}% | "
         f"{r['kl_mean']:.2e} | {100 * r['perplexity_delta_rel']:+.3f}% |"
     )
@@ -185,8 +186,8 @@ def format_row(r: dict[str, Any]) -> str:
 def format_variants(r: dict[str, Any]) -> str:
     """Return the markdown tables of run_kv_variants' result."""
     head = (
-        "| variant | dtype | text | exact tail | Hadamard | top-1 agreement | KL | perplexity |\n"
-        "|---|---|---|---|---|---|---|---|"
+        "| variant | dtype | text | tail | sinks | Hadamard | top-1 agreement | KL | perplexity |\n"
+        "|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head, *(format_row(row) for row in r["rows"])]
     if r["greedy"]:

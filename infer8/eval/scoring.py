@@ -34,21 +34,30 @@ def score_tokens(engine: LLMEngine, token_ids: list[int], chunk_tokens: int = 51
     try:
         block_ids = manager.get_block_ids(req_id)
         device = engine.model_config.device
+        runner = engine.worker.runner
         out = []
         for start in range(0, n, chunk_tokens):
             chunk = token_ids[start : start + chunk_tokens]
             meta = build_attention_metadata(
                 [len(chunk)], [start], [block_ids], engine.cache_config.block_size, device
             )
-            if engine.kv_spec.exact_tail_tokens and engine.num_tail_rows:
-                # the engine is idle, so ring row 0 is free; exact from position 0
+            if runner.tail_rows is not None and runner.sink_slots is not None:
+                # a seat of its own (the engine is idle), exact from position 0; its sinks are
+                # keyed by its first block like a request's, so no other block's are overwritten
+                row, _ = runner.tail_rows.row_for(req_id, 0)
+                sinks = (-1, False)
+                if runner.exact_sink_tokens:
+                    sinks = runner.sink_slots.slot_for(req_id, block_ids[0], 0)
                 meta.tail = build_tail_metadata(
-                    engine.kv_spec.exact_tail_tokens,
+                    runner.exact_tail_tokens,
+                    runner.exact_sink_tokens,
+                    [row],
                     [0],
-                    [0],
+                    [sinks],
                     [len(chunk)],
                     [start],
                     meta.decode_seq_ids,
+                    meta.decode_block_tables.shape[1] * engine.cache_config.block_size,
                     device,
                 )
             hidden = engine.worker.model(
@@ -60,4 +69,5 @@ def score_tokens(engine: LLMEngine, token_ids: list[int], chunk_tokens: int = 51
             out.append(torch.log_softmax(engine.worker.model.compute_logits(hidden), dim=-1))
         return torch.cat(out)
     finally:
+        engine.worker.runner.release_tail([req_id])
         manager.free(req_id)

@@ -13,7 +13,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Scales are stored in bfloat16 beside the cache; a scale rounded down would push the largest
 # value past the format max, so computed scales are nudged up by more than bf16's rounding error.
 SCALE_DTYPE = torch.bfloat16
-_SCALE_ROUND_UP = 1.0 + 2.0**-7
+SCALE_ROUND_UP = 1.0 + 2.0**-7
 _MIN_SCALE = 1e-12
 
 
@@ -26,7 +26,7 @@ def fp8_max(dtype: torch.dtype) -> float:
 def dynamic_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Return per-row scales (amax of the last dim / format max) in SCALE_DTYPE."""
     amax = x.abs().amax(dim=-1).float()
-    scale = (amax * (_SCALE_ROUND_UP / fp8_max(dtype))).clamp_min(_MIN_SCALE)
+    scale = (amax * (SCALE_ROUND_UP / fp8_max(dtype))).clamp_min(_MIN_SCALE)
     return scale.to(SCALE_DTYPE)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from infer8.attention.exact_tail import hadamard
+from infer8.attention.exact_tail import RESIDUAL_DTYPE, hadamard
 from infer8.quant import fp8
 
 
@@ -21,9 +21,9 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype  # storage dtype: bf16/fp16/fp32, or float8_e4m3fn / float8_e5m2
-    # FP8 exact tail (attention/exact_tail.py): window W, and the compute dtype its rings hold.
+    # FP8 exact tail (attention/exact_tail.py): window W and sinks S, held as E4M3 residuals.
     exact_tail_tokens: int = 0
-    tail_dtype: torch.dtype = torch.bfloat16
+    exact_sink_tokens: int = 0
     hadamard: bool = False
 
     @property
@@ -49,15 +49,22 @@ class KVCacheSpec:
         return self.bytes_per_token * self.block_size
 
     @property
-    def tail_ring_tokens(self) -> int:
-        """Return exact tokens one sequence's ring holds (W - 1: its newest token is fresh)."""
-        return max(0, self.exact_tail_tokens - 1)
+    def tail_store_tokens(self) -> int:
+        """Return the residual positions one seat holds: a ring of W - 1 (its newest token is
+        fresh) and S sinks."""
+        if not self.exact_tail_tokens:
+            return 0
+        return self.exact_tail_tokens - 1 + self.exact_sink_tokens
 
     def tail_bytes(self, num_rows: int) -> int:
-        """Return the exact-tail rings' bytes over all layers for num_rows sequences."""
-        elem = torch.empty((), dtype=self.tail_dtype).element_size()
-        per_token = 2 * self.num_kv_heads * self.head_dim * elem * self.num_layers
-        return num_rows * self.tail_ring_tokens * per_token
+        """Return the tail stores' bytes over all layers for num_rows seats.
+
+        A residual position costs what an FP8 token does: one byte per element plus a scale
+        per KV head, for K and for V.
+        """
+        scale = torch.empty((), dtype=fp8.SCALE_DTYPE).element_size()
+        per_token = 2 * self.num_kv_heads * (self.head_dim + scale) * self.num_layers
+        return num_rows * self.tail_store_tokens * per_token
 
     def num_blocks_for(self, memory_bytes: int, num_tail_rows: int = 0) -> int:
         """Return how many blocks fit a memory budget after the exact tail's rings."""
@@ -80,9 +87,9 @@ class LayerKVCache:
     # Calibration observers: per-channel running amax of K and V, [num_kv_heads, head_dim].
     k_amax: torch.Tensor | None = None
     v_amax: torch.Tensor | None = None
-    # Exact tail rings (attention/exact_tail.py), compute dtype: [num_kv_heads, rows, W - 1, d].
-    k_tail: torch.Tensor | None = None
-    v_tail: torch.Tensor | None = None
+    # Exact tail store (attention/exact_tail.py): E4M3 residuals [2 * num_kv_heads, rows, W-1+S,
+    # d] (K's heads, then V's) and their scales [2 * num_kv_heads, rows, W-1+S].
+    kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None
     k_rotation: torch.Tensor | None = None  # [head_dim, head_dim] float32 Hadamard, K and q
     rotate_values: bool = False
 
@@ -110,8 +117,17 @@ def allocate_kv_cache(
 ) -> list[LayerKVCache]:
     """Allocate zeroed cache tensors for every layer (zeros: masked slots must not hold NaN)."""
     shape = (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
-    tail_shape = (spec.num_kv_heads, num_tail_rows, spec.tail_ring_tokens, spec.head_dim)
+    tail_shape = (2 * spec.num_kv_heads, num_tail_rows, spec.tail_store_tokens, spec.head_dim)
     has_tail = spec.exact_tail_tokens > 0 and num_tail_rows > 0
+
+    def tail_store() -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not has_tail:
+            return None
+        return (
+            torch.zeros(tail_shape, dtype=RESIDUAL_DTYPE, device=device),
+            torch.zeros(tail_shape[:-1], dtype=fp8.SCALE_DTYPE, device=device),
+        )
+
     rotation = hadamard(spec.head_dim, device) if spec.hadamard else None
     layers = []
     for _ in range(spec.num_layers):
@@ -124,12 +140,7 @@ def allocate_kv_cache(
                 k_scale=_zeros(scale_shape, fp8.SCALE_DTYPE, device) if spec.is_fp8 else None,
                 v_scale=_zeros(scale_shape, fp8.SCALE_DTYPE, device) if spec.is_fp8 else None,
                 num_saturated=torch.zeros((), dtype=torch.int64, device=device),
-                k_tail=torch.zeros(tail_shape, dtype=spec.tail_dtype, device=device)
-                if has_tail
-                else None,
-                v_tail=torch.zeros(tail_shape, dtype=spec.tail_dtype, device=device)
-                if has_tail
-                else None,
+                kv_tail=tail_store(),
                 k_rotation=rotation,
                 rotate_values=spec.hadamard,
             )

@@ -6,12 +6,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer8.attention.exact_tail import TailRows, build_tail_metadata
+from infer8.attention.exact_tail import build_tail_metadata
 from infer8.attention.metadata import AttentionMetadata, build_attention_metadata
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.models.llama import LlamaForCausalLM
-from infer8.worker.kv_cache import LayerKVCache
+from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache
 from infer8.worker.sampler import Sampler, SamplingState
+from infer8.worker.tail_seats import SinkSlots, TailRows
 
 if TYPE_CHECKING:  # triton is only needed (and installed) on CUDA machines
     from infer8.structured_output.manager import StructuredOutputManager
@@ -29,7 +30,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         is_driver: bool = True,
-        exact_tail_tokens: int = 0,
+        exact_tail: KVCacheSpec | None = None,
     ) -> None:
         # A tensor-parallel worker (is_driver False) runs the model but leaves sampling to rank 0.
         self.is_driver = is_driver
@@ -43,25 +44,50 @@ class ModelRunner:
         self.graph_runner: CUDAGraphDecodeRunner | None = None
         # Set by the engine: masks constrained rows' logits by their grammars before sampling.
         self.structured_output: StructuredOutputManager | None = None
-        # An FP8 cache's exact tail: one ring row per running request (a seat).
-        self.exact_tail_tokens = exact_tail_tokens
+        # An FP8 cache's exact tail: one ring row per running request (a seat), and as many
+        # sink slots, keyed by first blocks.
+        self.exact_tail_tokens = exact_tail.exact_tail_tokens if exact_tail else 0
+        self.exact_sink_tokens = exact_tail.exact_sink_tokens if exact_tail else 0
         self.tail_rows: TailRows | None = None
-        if exact_tail_tokens and kv_caches and kv_caches[0].k_tail is not None:
-            self.tail_rows = TailRows(kv_caches[0].k_tail.shape[1])
+        self.sink_slots: SinkSlots | None = None
+        if self.exact_tail_tokens and kv_caches and kv_caches[0].kv_tail is not None:
+            num_rows = kv_caches[0].kv_tail[0].shape[1]
+            self.tail_rows = TailRows(num_rows)
+            self.sink_slots = SinkSlots(num_rows)
+
+    def release_tail(self, req_ids: list[str] | None = None) -> None:
+        """Return the seats of requests that left (all of them when req_ids is None)."""
+        if self.tail_rows is None or self.sink_slots is None:
+            return
+        if req_ids is None:
+            self.tail_rows.release_all()
+            self.sink_slots.release_all()
+        else:
+            self.tail_rows.release(req_ids)
+            self.sink_slots.release(req_ids)
 
     def _add_tail_metadata(self, sched: SchedulerOutput, meta: AttentionMetadata) -> None:
-        """Give new (or resumed) requests a ring row and attach the tail's indices."""
-        assert self.tail_rows is not None
+        """Give new (or resumed) requests a ring row and sinks; attach the tail's indices."""
+        assert self.tail_rows is not None and self.sink_slots is not None
         rows, starts = zip(
             *(self.tail_rows.row_for(s.req_id, s.num_computed_tokens) for s in sched.scheduled)
         )
+        sinks = [
+            self.sink_slots.slot_for(s.req_id, s.block_ids[0], start)
+            if self.exact_sink_tokens
+            else (-1, False)
+            for s, start in zip(sched.scheduled, starts)
+        ]
         meta.tail = build_tail_metadata(
             self.exact_tail_tokens,
+            self.exact_sink_tokens,
             list(rows),
             list(starts),
+            sinks,
             [s.num_new_tokens for s in sched.scheduled],
             [s.num_computed_tokens for s in sched.scheduled],
             meta.decode_seq_ids,
+            meta.decode_block_tables.shape[1] * self.block_size,
             self.device,
         )
 
@@ -78,8 +104,7 @@ class ModelRunner:
                 state.output_token_ids.append(token_id)
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
-        if self.tail_rows is not None:
-            self.tail_rows.release(sched.finished_req_ids + sched.preempted_req_ids)
+        self.release_tail(sched.finished_req_ids + sched.preempted_req_ids)
         for new in sched.scheduled_new_reqs:
             p = new.sampling_params
             gen = None

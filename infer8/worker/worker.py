@@ -71,13 +71,15 @@ class Worker:
         self.packed_linear_layers = self._pack_cpu_weights(model, model_config, scheduler_config)
         arch = model.config
         kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
-        tail_tokens, hadamard = resolve_exact_tail(
+        tail = resolve_exact_tail(
             cache_config.kv_cache_exact_tail_tokens,
             cache_config.kv_cache_hadamard,
             is_fp8=kv_dtype in fp8.FP8_DTYPES,
             is_reference_backend=device.type != "cuda",
             has_static_scales=cache_config.kv_scale == "static",
             head_dim=arch.head_dim,
+            sink_tokens=cache_config.kv_cache_exact_sink_tokens,
+            block_size=cache_config.block_size,
         )
         self.kv_spec = KVCacheSpec(
             num_layers=arch.num_hidden_layers,
@@ -85,9 +87,9 @@ class Worker:
             head_dim=arch.head_dim,
             block_size=cache_config.block_size,
             dtype=kv_dtype,
-            exact_tail_tokens=tail_tokens,
-            tail_dtype=model_config.dtype,
-            hadamard=hadamard,
+            exact_tail_tokens=tail.tokens,
+            exact_sink_tokens=tail.sink_tokens,
+            hadamard=tail.hadamard,
         )
         self.attn_backend = select_backend(
             device, self.kv_spec, enforce_eager=model_config.enforce_eager
@@ -97,7 +99,7 @@ class Worker:
         # one exact-tail ring per seat, out of the KV budget; never more seats than the rest
         # holds blocks (a small budget would otherwise go to rings)
         self.num_tail_rows = 0
-        if tail_tokens:
+        if tail.tokens:
             per_seat = self.kv_spec.bytes_per_block + self.kv_spec.tail_bytes(1)
             self.num_tail_rows = min(scheduler_config.max_num_seqs, max(1, kv_bytes // per_seat))
         self.num_blocks = self.kv_spec.num_blocks_for(kv_bytes, self.num_tail_rows)
@@ -128,7 +130,7 @@ class Worker:
             device,
             seed=model_config.seed,
             is_driver=self.is_driver,
-            exact_tail_tokens=tail_tokens,
+            exact_tail=self.kv_spec,
         )
         if device.type == "cuda" and not model_config.enforce_eager and not self.uses_exact_tail:
             self._capture_cuda_graphs()
@@ -277,8 +279,7 @@ class Worker:
     def reset(self) -> None:
         """Forget every request's state (after a failed step); weights and KV memory stay."""
         self.runner.states.clear()
-        if self.runner.tail_rows is not None:  # every ring row is free again
-            self.runner.tail_rows.release_all()
+        self.runner.release_tail()  # every seat is free again, no block keeps its sinks
 
     @property
     def uses_exact_tail(self) -> bool:

@@ -1,4 +1,4 @@
-"""The FP8 cache's exact tail and Hadamard rotation, against transformers and across schedules."""
+"""The FP8 cache's exact tail, sinks and Hadamard rotation, against transformers and schedules."""
 
 from __future__ import annotations
 
@@ -18,15 +18,16 @@ from tests.utils import hf_greedy, hf_model
 FP8 = dict(dtype="float32", kv_cache_dtype="fp8_e4m3", block_size=8)
 
 
-def _fp8_block_bytes(num_tail_rows: int, tail: int) -> tuple[int, int]:
-    """Return (bytes per FP8 block, tail ring bytes) of the tiny llama (2 layers, 2x16 KV)."""
-    spec = KVCacheSpec(2, 2, 16, 8, torch.float8_e4m3fn, tail, torch.float32)
+def _fp8_block_bytes(num_tail_rows: int, tail: int, sinks: int = 4) -> tuple[int, int]:
+    """Return (bytes per FP8 block, tail store bytes) of the tiny llama (2 layers, 2x16 KV)."""
+    spec = KVCacheSpec(2, 2, 16, 8, torch.float8_e4m3fn, tail, sinks)
     return spec.bytes_per_block, spec.tail_bytes(num_tail_rows)
 
 
-def test_a_tail_covering_everything_matches_transformers(llama_dir: Path) -> None:
-    # Every token stays in the exact window, so FP8 blocks are never read: the results must be
-    # transformers' (float32), through chunked prefill and preemption (12 blocks are too few),
+def test_a_tail_covering_everything_is_transformers_at_16_bit_precision(llama_dir: Path) -> None:
+    # Every token stays in the window, so every K/V read is block value + E4M3 residual (~8
+    # mantissa bits): transformers' greedy tokens (float32) and its logits within 1e-2 (plain
+    # FP8 is off by ~0.1 here), through chunked prefill and preemption (12 blocks are too few),
     # with the Hadamard rotation on (it leaves scores and outputs unchanged).
     # Without prefix caching: a preempted request that resumes on a hit reads the hit quantized.
     block_bytes, tail_bytes = _fp8_block_bytes(6, 128)
@@ -58,7 +59,7 @@ def test_a_tail_covering_everything_matches_transformers(llama_dir: Path) -> Non
         ref_logits = ref(torch.tensor([prompt + generated[:-1]])).logits[0]
     for i, ours in enumerate(seen):
         err = (ours[0] - ref_logits[len(prompt) - 1 + i]).abs().max().item()
-        assert err < 1e-4, f"step {i}: max abs logits error {err}"
+        assert err < 1e-2, f"step {i}: max abs logits error {err}"
 
 
 def _score(engine: LLMEngine, tokens: list[int], chunk: int) -> torch.Tensor:
@@ -69,7 +70,14 @@ def test_tail_reads_the_same_whatever_the_chunking_and_beats_plain_fp8(llama_dir
     tokens = [(7 * i + 3) % 500 + 5 for i in range(80)]
     common = dict(model=str(llama_dir), kv_cache_memory_bytes=1 << 22, max_num_seqs=2, **FP8)
     ref = _score(LLMEngine(EngineArgs(**{**common, "kv_cache_dtype": "auto"})), tokens, 80)
-    tail = LLMEngine(EngineArgs(kv_cache_exact_tail_tokens=6, kv_cache_hadamard=False, **common))
+    tail = LLMEngine(
+        EngineArgs(
+            kv_cache_exact_tail_tokens=6,
+            kv_cache_exact_sink_tokens=0,
+            kv_cache_hadamard=False,
+            **common,
+        )
+    )
     by_chunk = [_score(tail, tokens, c) for c in (1, 5, 80)]
     for other in by_chunk[1:]:  # a query reads (a - 6, a] exactly, however it was scheduled
         assert (other - by_chunk[0]).abs().max().item() < 1e-4
@@ -80,8 +88,10 @@ def test_tail_reads_the_same_whatever_the_chunking_and_beats_plain_fp8(llama_dir
         return (ref.exp() * (ref - lp)).sum(-1).mean().item()
 
     assert 0 < kl(by_chunk[2]) < kl(plain_lp)
-    # the first 6 positions read only exact K/V: equal to the 32-bit cache
-    assert (by_chunk[2][:6] - ref[:6]).abs().max().item() < 1e-5
+    # the first 6 positions read only tail K/V: the 32-bit cache's within the residual's
+    # precision, at a small fraction of plain FP8's error there
+    tail_err = (by_chunk[2][:6] - ref[:6]).abs().max().item()
+    assert tail_err < 2e-3 and tail_err < (plain_lp[:6] - ref[:6]).abs().max().item() / 10
 
 
 def _generate(llm: LLM, prompts: list[list[int]], n: int = 16) -> list[list[int]]:
@@ -118,6 +128,40 @@ def test_tail_greedy_tokens_survive_chunking_preemption_and_prefix_hits(llama_di
     assert got == _generate(roomy, prompts)
 
 
+def test_sinks_are_shared_by_prefix_hits(llama_dir: Path) -> None:
+    # The first request computes the shared blocks and writes its sinks (positions 0-3) into
+    # the slot of its first block; a request that hits those blocks reads the same sinks, so it
+    # computes what it would without the cache. (A window of 1, so that no query reads a ring
+    # position before the hit: those a hit reads quantized, see exact_tail.py.) With the slot
+    # forgotten, the hit reads its sinks quantized.
+    tail = dict(kv_cache_exact_tail_tokens=1, kv_cache_exact_sink_tokens=4, max_model_len=96)
+    shared = list(range(200, 240))  # five 8-token blocks
+    prompt = shared + [12, 13, 14, 15, 16, 17]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def logits(llm: LLM, seen: list[torch.Tensor]) -> torch.Tensor:
+        """Return the logits of the prompt's sampled steps."""
+        n = len(seen)
+        llm.generate([prompt], params)
+        return torch.cat(seen[n:])
+
+    fresh = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False,
+                **tail, **FP8)  # fmt: skip
+    want = logits(fresh, _record_logits(fresh))
+    cached = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22, **tail, **FP8)
+    seen = _record_logits(cached)
+    stats: list[SchedulerStats] = []
+    cached.engine.stat_loggers.append(stats.append)
+    cached.generate([shared + [7, 8, 9, 10, 11]], params)
+    hit = logits(cached, seen)
+    assert sum(s.num_prefix_cache_hits for s in stats) == 40
+    assert (hit - want).abs().max().item() < 1e-4
+    cached.engine.worker.runner.release_tail()  # no block keeps its sinks now
+    lost = logits(cached, seen)
+    assert sum(s.num_prefix_cache_hits for s in stats) == 80
+    assert (lost - want).abs().max().item() > 1e-3
+
+
 def test_eval_kv_variants_reports_every_row(llama_dir: Path) -> None:
     from infer8.eval.kv_variants import VARIANTS, format_variants, run_kv_variants
 
@@ -130,13 +174,17 @@ def test_eval_kv_variants_reports_every_row(llama_dir: Path) -> None:
     assert [(x["variant"], x["text"]) for x in r["rows"]] == [
         (v, t) for v in VARIANTS for t in ("areopagitica.txt", "hamlet_act1.txt")
     ]
-    before, default = r["rows"][0], r["rows"][6]
+    names = list(VARIANTS)
+    before = r["rows"][0]
+    default = r["rows"][2 * names.index("e4m3 default (tail + sinks + Hadamard)")]
     assert before["exact_tail_tokens"] == 0 and not before["hadamard"]
-    assert default["exact_tail_tokens"] == 16 and default["hadamard"]
+    assert default["exact_tail_tokens"] == 24 and default["exact_sink_tokens"] == 4
+    assert default["hadamard"]
     for row in r["rows"]:
         assert 0 <= row["kl_mean"] < 0.5 and 0.5 < row["top1_agreement"] <= 1.0
     assert len(r["greedy"]) == 1 + len(VARIANTS)
     assert r["greedy"][0]["greedy_identical_prompts"] == 1.0  # a tiny fp32 model: no noise
-    assert "| e5m2 default (tail + Hadamard) | float32 | hamlet_act1.txt | 16 | yes |" in (
-        format_variants(r)
+    assert (
+        "| e5m2 default (tail + sinks + Hadamard) | float32 | hamlet_act1.txt | 24 | 4 | yes |"
+        in (format_variants(r))
     )

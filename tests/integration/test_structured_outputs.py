@@ -8,10 +8,13 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
+from infer8.attention.exact_tail import DEFAULT_EXACT_SINK_TOKENS, DEFAULT_EXACT_TAIL_TOKENS
 from infer8.entrypoints.llm import LLM
 from infer8.sampling_params import SamplingParams
 from infer8.structured_output import StructuredOutputsParams
+from infer8.worker.kv_cache import KVCacheSpec
 from tests.utils import build_tiny_model
 
 SCHEMA = {  # short keys: a byte-level toy tokenizer spends about one token per character
@@ -114,17 +117,20 @@ def test_completed_grammar_ends_the_request_even_with_ignore_eos(llama_dir: Path
 
 
 def test_grammar_holds_with_fp8_cache_prefix_caching_and_preemption(llama_dir: Path) -> None:
-    # ~17 blocks x 16 tokens for 6 requests of ~80 tokens forces preemptions; the rest of the
-    # budget holds the exact tail's ring rows (one per seat, 6 seats).
+    # 17 blocks x 16 tokens for 6 requests of ~80 tokens forces preemptions; the rest of the
+    # budget holds the exact tail's store (one row per seat, 6 seats; the default tail).
+    spec = KVCacheSpec(
+        2, 2, 16, 16, torch.float8_e4m3fn, DEFAULT_EXACT_TAIL_TOKENS, DEFAULT_EXACT_SINK_TOKENS
+    )  # the tiny llama: 2 layers, 2 KV heads of 16
     llm = _llm(
         llama_dir,
         kv_cache_dtype="fp8",
         enable_prefix_caching=True,
-        kv_cache_memory_bytes=40_000 + 6 * 15 * 512,
+        kv_cache_memory_bytes=17 * spec.bytes_per_block + spec.tail_bytes(6),
         max_num_seqs=6,
         max_model_len=128,
     )
-    assert llm.engine.num_tail_rows == 6 and 15 <= llm.engine.num_blocks <= 20
+    assert llm.engine.num_tail_rows == 6 and llm.engine.num_blocks == 17
     params = [
         SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=JSON_PARAMS)
         for s in range(6)

@@ -26,6 +26,7 @@ import torch
 import uvicorn
 
 from infer8 import LLM, SamplingParams
+from infer8.attention.exact_tail import DEFAULT_EXACT_SINK_TOKENS, DEFAULT_EXACT_TAIL_TOKENS
 from infer8.core.sched_output import SchedulerStats
 from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.engine import LLMEngine
@@ -90,8 +91,10 @@ def _engine_kwargs(num_kv_heads: int, tp: int, kv_cache_dtype: str = "auto") -> 
     tail_bytes = 0
     if bytes_per_elem == 1:
         per_token += NUM_LAYERS * 2 * heads_per_rank * 2  # bf16 scale per token and head
-        # the default exact tail: 6 seats x 15 float32 tokens per rank, before the blocks
-        tail_bytes = 6 * 15 * NUM_LAYERS * 2 * heads_per_rank * HEAD_DIM * 4
+        # the default exact tail: 6 seats x (W - 1 + S) residual tokens per rank, each an FP8
+        # token's bytes, before the blocks
+        store_tokens = DEFAULT_EXACT_TAIL_TOKENS - 1 + DEFAULT_EXACT_SINK_TOKENS
+        tail_bytes = 6 * store_tokens * per_token
     return dict(
         dtype="float32",
         block_size=BLOCK_SIZE,

@@ -118,7 +118,7 @@ def test_plan_and_engine_agree_on_the_kv_budget(tmp_path: Path) -> None:
 def _spec(dtype: torch.dtype, tail: int = 0) -> KVCacheSpec:
     return KVCacheSpec(
         num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
-        exact_tail_tokens=tail, tail_dtype=torch.bfloat16, hadamard=False,
+        exact_tail_tokens=tail, hadamard=False,
     )  # fmt: skip
 
 

@@ -60,3 +60,25 @@ def test_block_gather_matches_index_select(native: NativeFP8Gather, dtype: torch
     out = torch.empty(3, 5, 4, 16, dtype=dtype)
     native.gather(cache, ids, out)
     assert torch.equal(out.view(torch.uint8), cache.index_select(1, ids).view(torch.uint8))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_tail_residual_matches_the_torch_functions_bit_for_bit(
+    native: NativeFP8Gather, block_dtype: torch.dtype, x_dtype: torch.dtype
+) -> None:
+    from infer8.attention import exact_tail
+    from infer8.attention.torch_ref import TorchRefAttention
+
+    torch.manual_seed(0)
+    # magnitudes from 1e-6 to 1e3 (subnormal FP8 values, ties, saturation), a zero row
+    x = torch.randn(4000, 3, 64) * torch.logspace(-6, 3, 4000)[:, None, None]
+    x[0] = 0
+    x[1, 0, :5] = torch.tensor([1e-30, -3.0, 448.0, 500.0, -1e4])
+    x = x.to(x_dtype)
+    res_q, res_scale, tail = native.tail_residual(x, block_dtype)
+    block = TorchRefAttention._block_value(x, block_dtype, None)
+    ref_q, ref_scale = exact_tail.quantize_residual(x, block)
+    assert torch.equal(res_q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(res_scale, ref_scale)
+    assert torch.equal(tail, exact_tail.add_residual(block, ref_q, ref_scale))

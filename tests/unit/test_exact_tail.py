@@ -8,15 +8,20 @@ import pytest
 import torch
 
 from infer8.attention.exact_tail import (
+    DEFAULT_EXACT_SINK_TOKENS,
     DEFAULT_EXACT_TAIL_TOKENS,
-    TailRows,
+    ExactTailConfig,
+    add_residual,
     build_tail_metadata,
     hadamard,
+    quantize_residual,
     resolve_exact_tail,
     rotate,
 )
 from infer8.plan import DEVICE_PRESETS, PlanInputs, load_model_shape, plan_capacity
+from infer8.quant import fp8
 from infer8.worker.kv_cache import KVCacheSpec
+from infer8.worker.tail_seats import SinkSlots, TailRows
 
 
 def test_hadamard_rotation_keeps_attention_scores() -> None:
@@ -31,15 +36,71 @@ def test_hadamard_rotation_keeps_attention_scores() -> None:
 
 
 def test_a_long_chunk_writes_only_its_last_w_minus_1_tokens_to_the_ring() -> None:
-    # window 4 (ring 3); seq 0: prefill chunk [10, 18) on row 2; seq 1: decode at position 5
-    meta = build_tail_metadata(4, [2, 0], [0, 3], [8, 1], [10, 5], [1], torch.device("cpu"))
+    # window 4 (ring 3), no sinks; seq 0: prefill chunk [10, 18) on row 2; seq 1: decode at 5
+    no_sinks = [(-1, False)] * 2
+    meta = build_tail_metadata(
+        4, 0, [2, 0], [0, 3], no_sinks, [8, 1], [10, 5], [1], 8, torch.device("cpu")
+    )
     assert meta.write_token_ids.tolist() == [5, 6, 7, 8]
     assert meta.write_slots.tolist() == [2 * 3 + 15 % 3, 2 * 3 + 16 % 3, 2 * 3 + 17 % 3, 5 % 3]
-    # the chunk reads positions 7, 8, 9 from the ring (queries at 10.. see (a - 4, a])
+    # rows read: the decode's ring row and sink row (none: row 0, unused), then row 2
+    assert meta.read_rows.tolist() == [0, 0, 2]
+    # the chunk reads positions 7, 8, 9 from the ring (queries at 10.. see (a - 4, a]),
+    # in the third row read
     assert meta.ring_read_slots[0].tolist() == [6 + 7 % 3, 6 + 8 % 3, 6 + 9 % 3]
-    # the decode token at 5 reads 3, 4 from the ring: its row holds exact values from 3 only
-    b, pos, slots = meta.decode_overlay
-    assert b.tolist() == [0, 0] and pos.tolist() == [3, 4] and slots.tolist() == [0, 1]
+    # the decode token at 5 reads 3, 4 from its ring (offsets 0, 1): its row holds exact
+    # values from 3 only, so offset 2 (position 2) is unused; its new token is at 0 * 8 + 5
+    assert meta.decode_pos.tolist() == [[3, 4, 0, 0, 0, 0]]
+    assert meta.decode_valid.tolist() == [[1, 1, 0, 0, 0, 0]]
+    assert meta.decode_new.tolist() == [5]
+
+
+def test_sinks_are_written_by_the_first_chunk_and_read_by_later_decodes() -> None:
+    # window 4 (ring 3), 2 sinks: a row's store is 5 wide (ring offsets 0-2, sink offsets 3-4).
+    # seq 0 prefills [0, 3) on row 1 and writes the sinks of sink slot 1; seq 1 decodes at 9
+    # on row 0 and reads the sinks of slot 0, which another request wrote (a prefix hit).
+    cpu = torch.device("cpu")
+    meta = build_tail_metadata(
+        4, 2, [1, 0], [0, 0], [(1, True), (0, False)], [3, 1], [0, 9], [1], 16, cpu
+    )
+    assert meta.sink_write_token_ids.tolist() == [0, 1]
+    assert meta.sink_write_slots.tolist() == [1 * 5 + 3, 1 * 5 + 4]
+    assert meta.write_token_ids.tolist() == [0, 1, 2, 3]
+    assert meta.write_slots.tolist() == [5, 6, 7, 9 % 3]
+    assert meta.num_sinks == [2, 2]
+    assert meta.read_rows.tolist() == [0, 0]  # its ring row, its sink slot's row
+    # ring offsets hold 6, 7, 8; the sink row's sink offsets hold 0, 1
+    assert meta.decode_pos.tolist() == [[6, 7, 8, 0, 0, 0, 0, 0, 0, 1]]
+    assert meta.decode_valid.tolist() == [[1, 1, 1, 0, 0, 0, 0, 0, 1, 1]]
+    # a sequence whose window still covers its first positions reads no sink from the store
+    meta = build_tail_metadata(4, 2, [0], [0], [(0, True)], [1], [2], [0], 16, cpu)
+    assert meta.decode_pos.tolist()[0][:3] == [0, 1, 0]  # from the ring: positions 0, 1
+    assert meta.decode_valid.tolist() == [[1, 1] + [0] * 8]
+    assert meta.sink_write_slots.tolist() == []
+
+
+def test_sink_slots_follow_first_blocks_and_recycle_the_least_recent_unread_one() -> None:
+    slots = SinkSlots(2)
+    assert slots.slot_for("a", 10, 0) == (0, True)  # computes block 10: writes its sinks
+    assert slots.slot_for("b", 10, 16) == (0, False)  # hits block 10: reads them
+    assert slots.slot_for("c", 20, 0) == (1, True)
+    assert slots.slot_for("a", 10, 0) == (0, True)  # a later step: the same answer
+    slots.release(["a", "b"])  # slot 0 stays block 10's for later hits, but may be recycled
+    assert slots.slot_for("d", 10, 32) == (0, False)
+    slots.release(["d"])
+    assert slots.slot_for("e", 30, 0) == (0, True)  # slot 1 is read by c: slot 0 is recycled
+    assert slots.slot_for("f", 10, 16) == (-1, False)  # block 10 lost its sinks: read quantized
+
+
+def test_block_value_plus_residual_carries_about_8_mantissa_bits() -> None:
+    x = torch.randn(64, 3, 64) * torch.logspace(-2, 2, 64)[:, None, None]
+    s = fp8.dynamic_scale(x, torch.float8_e4m3fn)[..., None]
+    block = fp8.dequantize(fp8.quantize(x, s, torch.float8_e4m3fn), s, torch.float32)
+    tail = add_residual(block, *quantize_residual(x, block))
+    amax = x.abs().amax(-1, keepdim=True)
+    assert ((block - x).abs() / amax).max() > 2**-6  # E4M3 alone: ~3 mantissa bits
+    assert ((tail - x).abs() / amax).max() < 2**-8  # with the residual: bf16's class
+    assert quantize_residual(x, block)[0].dtype == torch.float8_e4m3fn
 
 
 def test_seats_are_reused_and_a_resumed_request_starts_a_new_exact_range() -> None:
@@ -51,19 +112,23 @@ def test_seats_are_reused_and_a_resumed_request_starts_a_new_exact_range() -> No
 
 
 def test_auto_turns_the_tail_on_only_for_fp8_on_the_reference_backend() -> None:
-    assert resolve_exact_tail(None, None, True, True, False, 64) == (
-        DEFAULT_EXACT_TAIL_TOKENS,
-        True,
-    )
-    assert resolve_exact_tail(None, None, True, False, False, 64) == (0, False)  # Triton
-    assert resolve_exact_tail(8, True, False, True, False, 64) == (0, False)  # bf16 cache
-    assert resolve_exact_tail(None, None, True, True, True, 64) == (16, False)  # static scales
+    default = ExactTailConfig(DEFAULT_EXACT_TAIL_TOKENS, DEFAULT_EXACT_SINK_TOKENS, True)
+    assert resolve_exact_tail(None, None, True, True, False, 64) == default
+    assert resolve_exact_tail(None, None, True, False, False, 64) == ExactTailConfig()  # Triton
+    assert resolve_exact_tail(8, True, False, True, False, 64) == ExactTailConfig()  # bf16
+    static = resolve_exact_tail(None, None, True, True, True, 64)
+    assert static == ExactTailConfig(DEFAULT_EXACT_TAIL_TOKENS, DEFAULT_EXACT_SINK_TOKENS)
+    assert resolve_exact_tail(0, None, True, True, False, 64).sink_tokens == 0  # no tail
     with pytest.raises(ValueError, match="dynamic scales"):
         resolve_exact_tail(None, True, True, True, True, 64)
+    with pytest.raises(ValueError, match="needs kv_cache_exact_tail_tokens"):
+        resolve_exact_tail(0, None, True, True, False, 64, sink_tokens=4)
+    with pytest.raises(ValueError, match="fit in one block"):
+        resolve_exact_tail(None, None, True, True, False, 64, sink_tokens=9, block_size=8)
 
 
-def _default_model_spec(dtype: torch.dtype, tail: int = 0) -> KVCacheSpec:
-    return KVCacheSpec(30, 3, 64, 16, dtype, tail, torch.bfloat16)  # SmolLM2-135M
+def _default_model_spec(dtype: torch.dtype, tail: int = 0, sinks: int = 0) -> KVCacheSpec:
+    return KVCacheSpec(30, 3, 64, 16, dtype, tail, sinks)  # SmolLM2-135M
 
 
 def test_fp8_with_the_default_tail_holds_at_least_1_9x_the_bf16_sessions() -> None:
@@ -71,12 +136,15 @@ def test_fp8_with_the_default_tail_holds_at_least_1_9x_the_bf16_sessions() -> No
     # (arithmetic + a 10% margin), so the rings of every seat come out of the budget.
     budget, blocks_per_session = 512 << 20, 1024 // 16
     bf16 = _default_model_spec(torch.bfloat16).num_blocks_for(budget) // blocks_per_session
-    spec = _default_model_spec(torch.float8_e4m3fn, DEFAULT_EXACT_TAIL_TOKENS)
+    spec = _default_model_spec(
+        torch.float8_e4m3fn, DEFAULT_EXACT_TAIL_TOKENS, DEFAULT_EXACT_SINK_TOKENS
+    )
     plain = spec.num_blocks_for(budget) // blocks_per_session
     seats = plain + max(2, plain // 10)
-    fp8 = spec.num_blocks_for(budget, seats) // blocks_per_session
-    assert spec.tail_bytes(seats) == seats * 15 * 2 * 3 * 64 * 2 * 30
-    assert fp8 < plain and fp8 / bf16 >= 1.9, (fp8, plain, bf16)
+    sessions = spec.num_blocks_for(budget, seats) // blocks_per_session
+    # 23 ring + 4 sink residual tokens per seat, each an FP8 token's bytes (64 + a bf16 scale)
+    assert spec.tail_bytes(seats) == seats * 27 * 2 * 3 * (64 + 2) * 30
+    assert sessions < plain and sessions / bf16 >= 1.9, (sessions, plain, bf16)
 
 
 def test_plan_counts_the_tail_rings() -> None:
@@ -87,9 +155,13 @@ def test_plan_counts_the_tail_rings() -> None:
     )
     with_tail = dataclasses.replace(base, kv_cache_exact_tail_tokens=16)
     a, b = plan_capacity(base), plan_capacity(with_tail)
-    ring_tokens = 256 * 15
+    store_tokens = 256 * 15
     lost_tokens = a.max_kv_tokens - b.max_kv_tokens
-    # bf16 ring bytes / fp8 token bytes, rounded to blocks
-    ratio = (2 * 3 * 64 * 2 * 30) / a.kv_bytes_per_token_per_device
-    assert abs(lost_tokens - ring_tokens * ratio) <= 16
-    assert b.to_json_dict()["kv_exact_tail_bytes_per_device"] == ring_tokens * 2 * 3 * 64 * 2 * 30
+    # a residual token costs an FP8 token (with its scales); rounded to blocks
+    assert a.kv_bytes_per_token_per_device == 2 * 3 * (64 + 2) * 30
+    assert abs(lost_tokens - store_tokens) <= 16
+    assert b.to_json_dict()["kv_exact_tail_bytes_per_device"] == store_tokens * 2 * 3 * 66 * 30
+    sinks = dataclasses.replace(with_tail, kv_cache_exact_sink_tokens=4)
+    assert plan_capacity(sinks).to_json_dict()["kv_exact_tail_bytes_per_device"] == (
+        256 * 19 * 2 * 3 * 66 * 30
+    )

@@ -1,0 +1,74 @@
+"""Prefill attention split into key ranges and a band equals one masked softmax over all keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer8.attention.exact_tail import prefill_parts
+from infer8.attention.split_prefill import KeyRange, split_prefill_attention
+
+
+def _masked_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Explicit softmax attention: q [H, n, d], k/v [kvh, m, d], mask [n, m] (True = seen)."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = (q.double() @ k.double().transpose(1, 2)) * scale
+    scores.masked_fill_(~mask, -float("inf"))
+    return (torch.softmax(scores, -1) @ v.double()).float()
+
+
+def test_a_cached_prefix_and_a_causal_chunk() -> None:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(6, 37, 16), torch.randn(2, 100, 16), torch.randn(2, 100, 16)
+    s0 = 63  # the chunk holds positions 63..99
+    ranges = [KeyRange(k[:, :s0], v[:, :s0]), KeyRange(k[:, s0:], v[:, s0:], causal=True)]
+    mask = torch.arange(100)[None, :] <= torch.arange(s0, 100)[:, None]
+    ref = _masked_reference(q, k, v, mask, 0.25)
+    assert (split_prefill_attention(q, ranges, None, 0.25) - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "s0, q_len, window, exact_start, num_sinks",
+    [(0, 50, 6, 0, 4), (40, 30, 6, 0, 4), (40, 30, 6, 16, 4), (3, 10, 8, 0, 4), (40, 1, 4, 0, 0),
+     (20, 5, 30, 0, 2), (40, 30, 1, 0, 4)],
+)  # fmt: skip
+def test_tail_parts_match_the_masked_rule(
+    s0: int, q_len: int, window: int, exact_start: int, num_sinks: int
+) -> None:
+    # query a reads quantized j iff j <= a - W or j < exact_start (its first num_sinks at tail
+    # precision), and tail values at (a - W, a]: the rule the reference mask spelled out.
+    torch.manual_seed(1)
+    seq_len, kvh, d = s0 + q_len, 2, 16
+    kb, vb = torch.randn(kvh, seq_len, d), torch.randn(kvh, seq_len, d)  # block values
+    kt, vt = kb + 0.1 * torch.randn_like(kb), vb + 0.1 * torch.randn_like(vb)  # tail values
+    ring = window - 1
+    lo = max(exact_start, s0 - ring)
+    # store rows: the ring's residuals of [lo, s0), then the sinks' of [0, min(S, lo))
+    ring_pos = list(range(lo, s0))
+    sink_pos = list(range(min(num_sinks, lo)))
+    res_k = torch.cat([kt[:, ring_pos] - kb[:, ring_pos], kt[:, sink_pos] - kb[:, sink_pos]], 1)
+    res_v = torch.cat([vt[:, ring_pos] - vb[:, ring_pos], vt[:, sink_pos] - vb[:, sink_pos]], 1)
+    ring_slots = torch.arange(len(ring_pos))
+    sink_slots = torch.arange(len(ring_pos), len(ring_pos) + len(sink_pos))
+    new = (kt[:, s0:].transpose(0, 1), vt[:, s0:].transpose(0, 1))
+    ranges, band = prefill_parts(
+        kb.clone(), vb.clone(), (res_k, res_v), new, ring_slots, sink_slots, num_sinks,
+        exact_start, window,
+    )  # fmt: skip
+    q = torch.randn(2 * kvh, q_len, d)
+    got = split_prefill_attention(q, ranges, band, 0.3)
+
+    a = torch.arange(s0, seq_len)[:, None]
+    j = torch.arange(seq_len)[None, :]
+    quant_seen = (j <= a) & ((j <= a - window) | (j < exact_start))
+    tail_seen = (j <= a) & (j > a - window)
+    # keys: every position twice, as its quantized (block) value and as its tail value; a sink
+    # is read at tail precision where it is read quantized
+    sink = j < num_sinks
+    k_all = torch.cat([torch.where(sink[..., None], kt, kb), kt], 1)
+    v_all = torch.cat([torch.where(sink[..., None], vt, vb), vt], 1)
+    ref = _masked_reference(q, k_all, v_all, torch.cat([quant_seen, tail_seen], 1), 0.3)
+    assert (got - ref).abs().max() < 1e-5
