@@ -84,6 +84,11 @@ class NativeFP8Gather:
                              ctypes.c_float, p, p, p]  # fmt: skip
         residual.restype = None
         self._residual = residual
+        write = lib.infer8_write_fp8
+        write.argtypes = [p, i64, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float, p, i64,
+                          p, p]  # fmt: skip
+        write.restype = None
+        self._write = write
         self._ones: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -186,3 +191,36 @@ class NativeFP8Gather:
             tail.data_ptr(),
         )
         return res_q, res_scale, tail
+
+    def write_fp8(
+        self,
+        x: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        cache_t: torch.Tensor,
+        scale_t: torch.Tensor,
+    ) -> None:
+        """Quantize x [tokens, kvh, d] with dynamic scales into cache_t's slots, in one pass.
+
+        cache_t: [kvh, num_blocks, block_size, d] FP8; scale_t: [kvh, num_blocks, block_size].
+        Bit for bit fp8.dynamic_scale + fp8.quantize (torch_ref.write_kv's torch path).
+        """
+        assert x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+        assert cache_t.dtype in _FP8 and cache_t.is_contiguous() and scale_t.is_contiguous()
+        assert x.shape[-1] <= 512 and scale_t.dtype == fp8.SCALE_DTYPE
+        x = x.contiguous()
+        slots = slot_mapping.contiguous()
+        assert slots.dtype == torch.int64
+        num_tokens, num_kv_heads, head_dim = x.shape
+        self._write(
+            x.data_ptr(),
+            num_tokens,
+            num_kv_heads,
+            head_dim,
+            int(x.dtype == torch.float32),
+            int(cache_t.dtype == torch.float8_e5m2),
+            fp8.SCALE_ROUND_UP / fp8.fp8_max(cache_t.dtype),
+            slots.data_ptr(),
+            cache_t[0].numel() // head_dim,
+            cache_t.data_ptr(),
+            scale_t.data_ptr(),
+        )

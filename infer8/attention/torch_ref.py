@@ -105,6 +105,13 @@ class TorchRefAttention:
             v_flat.index_copy_(1, slot_mapping, v.transpose(0, 1).to(cache.v.dtype))
             return
         dtype = cache.k.dtype
+        native = self._native is not None and cache.k.device.type == "cpu"
+        if native and cache.k_static_scale is None and k.dtype in (torch.bfloat16, torch.float32):
+            assert self._native is not None and cache.v_scale is not None
+            # one pass per tensor: scale, quantize, store (~15 small torch ops otherwise)
+            self._native.write_fp8(k, slot_mapping, cache.k, cache.k_scale)
+            self._native.write_fp8(v, slot_mapping, cache.v, cache.v_scale)
+            return
         for x, flat, scale_store, static in (
             (k, k_flat, cache.k_scale, cache.k_static_scale),
             (v, v_flat, cache.v_scale, cache.v_static_scale),

@@ -187,3 +187,34 @@ void infer8_tail_residual(const void* x, int64_t rows, int64_t d, int x_f32, int
         }
     }
 }
+
+// Quantize new K or V on write, as the FP8 cache stores it (torch_ref.write_kv's dynamic path):
+// x [num_tokens, num_kv_heads, d] (bf16 bits or float32), one scale per token and head
+// (fp8.dynamic_scale), values to cache[h, slot_mapping[t], :] and scales[h, slot_mapping[t]]
+// (cache viewed as [num_kv_heads, num_slots, d]). Bit for bit the torch path.
+void infer8_write_fp8(const void* x, int64_t num_tokens, int64_t num_kv_heads, int64_t d,
+                      int x_f32, int is_e5m2, float per_amax, const int64_t* slot_mapping,
+                      int64_t num_slots, uint8_t* cache, uint16_t* scales) {
+    const float fmax = is_e5m2 ? 57344.0f : 448.0f;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t r = t * num_kv_heads + h;
+            float v[512];
+            if (d > 512) continue;  // the caller checks head_dim
+            float amax = 0.0f;
+            for (int64_t j = 0; j < d; j++) {
+                v[j] = x_f32 ? ((const float*)x)[r * d + j] : bf16_value(((const uint16_t*)x)[r * d + j]);
+                amax = fmaxf(amax, fabsf(v[j]));
+            }
+            const uint16_t s_bits = dynamic_scale(amax, per_amax);
+            const float s = bf16_value(s_bits);
+            const int64_t slot = h * num_slots + slot_mapping[t];
+            scales[slot] = s_bits;
+            uint8_t* out = cache + slot * d;
+            for (int64_t j = 0; j < d; j++) {
+                out[j] = float_to_fp8(fminf(fmaxf(v[j] / s, -fmax), fmax), is_e5m2);
+            }
+        }
+    }
+}

@@ -1,4 +1,5 @@
-"""The C gather+dequantize kernel is bit-exact against the torch reference."""
+"""The native C kernels (gather + dequantize, the tail residual, the FP8 write) are bit-exact
+against the torch reference."""
 
 from __future__ import annotations
 
@@ -82,3 +83,22 @@ def test_tail_residual_matches_the_torch_functions_bit_for_bit(
     assert torch.equal(res_q.view(torch.uint8), ref_q.view(torch.uint8))
     assert torch.equal(res_scale, ref_scale)
     assert torch.equal(tail, exact_tail.add_residual(block, ref_q, ref_scale))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_write_fp8_stores_what_the_torch_write_stores(
+    native: NativeFP8Gather, cache_dtype: torch.dtype, x_dtype: torch.dtype
+) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(500, 3, 64) * torch.logspace(-6, 3, 500)[:, None, None]).to(x_dtype)
+    slots = torch.randperm(64 * 16)[:500]  # scattered over 64 blocks of 16
+    cache = torch.zeros(3, 64, 16, 64, dtype=cache_dtype)
+    scales = torch.zeros(3, 64, 16, dtype=fp8.SCALE_DTYPE)
+    native.write_fp8(x, slots, cache, scales)
+    scale = fp8.dynamic_scale(x, cache_dtype)
+    ref, ref_scales = torch.zeros_like(cache), torch.zeros_like(scales)
+    ref.view(3, -1, 64)[:, slots] = fp8.quantize(x, scale[..., None], cache_dtype).transpose(0, 1)
+    ref_scales.view(3, -1)[:, slots] = scale.transpose(0, 1)
+    assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(scales, ref_scales)
