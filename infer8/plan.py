@@ -787,6 +787,14 @@ def format_plan(plan: Plan) -> str:
         f"  max KV tokens       {plan.max_kv_tokens:,} (blocks of {i.block_size})",
         f"  sessions            {plan.max_concurrent_sessions:,} at {i.context_len:,} tokens each",
     ]
+    tail_bytes = exact_tail_bytes(i)
+    if tail_bytes:
+        lines.insert(
+            -2,
+            f"  exact tail          {tail_bytes / GiB:.2f} GiB per device before the blocks "
+            f"({i.max_num_seqs} seats x ({i.kv_cache_exact_tail_tokens} - 1 + "
+            f"{i.kv_cache_exact_sink_tokens}) FP8 residual tokens)",
+        )
     if bound is None:
         lines.append("  decode bound        n/a (no session fits)")
     else:

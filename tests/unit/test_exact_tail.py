@@ -18,7 +18,13 @@ from infer8.attention.exact_tail import (
     resolve_exact_tail,
     rotate,
 )
-from infer8.plan import DEVICE_PRESETS, PlanInputs, load_model_shape, plan_capacity
+from infer8.plan import (
+    DEVICE_PRESETS,
+    PlanInputs,
+    format_plan,
+    load_model_shape,
+    plan_capacity,
+)
 from infer8.quant import fp8
 from infer8.worker.kv_cache import KVCacheSpec
 from infer8.worker.tail_seats import SinkSlots, TailRows
@@ -165,3 +171,5 @@ def test_plan_counts_the_tail_rings() -> None:
     assert plan_capacity(sinks).to_json_dict()["kv_exact_tail_bytes_per_device"] == (
         256 * 19 * 2 * 3 * 66 * 30
     )
+    assert "256 seats x (16 - 1 + 4) FP8 residual tokens" in format_plan(plan_capacity(sinks))
+    assert "exact tail" not in format_plan(a)
