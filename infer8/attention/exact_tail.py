@@ -37,6 +37,7 @@ inverse). The rotation runs inside the backend's write and attend calls, not as 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -149,6 +150,29 @@ def add_residual(
 ) -> torch.Tensor:
     """Return block value + dequantized residual in x_block's dtype (the tail's value)."""
     return x_block + fp8.dequantize(residual, scale[..., None], x_block.dtype)
+
+
+def block_value(
+    x: torch.Tensor, cache_dtype: torch.dtype, static: torch.Tensor | None
+) -> torch.Tensor:
+    """Return x as the FP8 cache stores and returns it: quantized (dynamic or static scale),
+    dequantized in x's dtype."""
+    scale = fp8.dynamic_scale(x, cache_dtype)[..., None] if static is None else static
+    return fp8.dequantize(fp8.quantize(x, scale, cache_dtype), scale, x.dtype)
+
+
+def tail_values(
+    kv: torch.Tensor, cache_dtype: torch.dtype, statics: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (residual, its scales, tail value) of a step's K and V ([n, 2, kvh, d]; one
+    static scale or None per tensor of dim 1).
+
+    The torch reference of the native pass (cpu_native.tail_residual), static scales included.
+    """
+    blocks = [block_value(kv[:, i], cache_dtype, s) for i, s in enumerate(statics)]
+    x_block = torch.stack(blocks, dim=1)
+    res_q, res_scale = quantize_residual(kv, x_block)
+    return res_q, res_scale, add_residual(x_block, res_q, res_scale)
 
 
 @dataclass

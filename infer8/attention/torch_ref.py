@@ -320,21 +320,8 @@ class TorchRefAttention:
             res_q, res_scale, tail = self._native.tail_residual(kv, cache.k.dtype)
         else:
             statics = (cache.k_static_scale, cache.v_static_scale)
-            block = [
-                self._block_value(x, cache.k.dtype, s) for x, s in zip((k_new, v_new), statics)
-            ]
-            x_block = torch.stack(block, dim=1)
-            res_q, res_scale = exact_tail.quantize_residual(kv, x_block)
-            tail = exact_tail.add_residual(x_block, res_q, res_scale)
+            res_q, res_scale, tail = exact_tail.tail_values(kv, cache.k.dtype, statics)
         return (res_q.view(n, 2 * kvh, -1), res_scale.view(n, 2 * kvh)), (tail[:, 0], tail[:, 1])
-
-    @staticmethod
-    def _block_value(
-        x: torch.Tensor, cache_dtype: torch.dtype, static: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Return x as write_kv stores it and _read returns it: quantized, dequantized."""
-        scale = fp8.dynamic_scale(x, cache_dtype)[..., None] if static is None else static
-        return fp8.dequantize(fp8.quantize(x, scale, cache_dtype), scale, x.dtype)
 
     def _attend(
         self,

@@ -148,7 +148,7 @@ static inline float to_dtype(float f, int out_f32) {
 // write (dynamic per-row scale, format `block_is_e5m2`), take the residual x - block value,
 // quantize that to E4M3 with its own scale, and return block value + dequantized residual (the
 // value the tail reads), in the compute dtype: the same numbers, bit for bit, as the torch
-// path in torch_ref.py (`_block_value`, `quantize_residual`, `add_residual`).
+// reference in exact_tail.py (`tail_values`).
 void infer8_tail_residual(const void* x, int64_t rows, int64_t d, int x_f32, int block_is_e5m2,
                           float block_per_amax, float e4m3_per_amax, uint8_t* res_q,
                           uint16_t* res_scale, void* tail) {

@@ -63,26 +63,29 @@ def test_block_gather_matches_index_select(native: NativeFP8Gather, dtype: torch
     assert torch.equal(out.view(torch.uint8), cache.index_select(1, ids).view(torch.uint8))
 
 
+def _spread_rows(num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """Return [num_tokens, 3, 64] rows of magnitudes 1e-6 .. 1e3 (subnormal FP8 values, ties,
+    saturation), a zero row and a few edge values."""
+    torch.manual_seed(0)
+    x = torch.randn(num_tokens, 3, 64) * torch.logspace(-6, 3, num_tokens)[:, None, None]
+    x[0] = 0
+    x[1, 0, :5] = torch.tensor([1e-30, -3.0, 448.0, 500.0, -1e4])
+    return x.to(dtype)
+
+
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_tail_residual_matches_the_torch_functions_bit_for_bit(
     native: NativeFP8Gather, block_dtype: torch.dtype, x_dtype: torch.dtype
 ) -> None:
     from infer8.attention import exact_tail
-    from infer8.attention.torch_ref import TorchRefAttention
 
-    torch.manual_seed(0)
-    # magnitudes from 1e-6 to 1e3 (subnormal FP8 values, ties, saturation), a zero row
-    x = torch.randn(4000, 3, 64) * torch.logspace(-6, 3, 4000)[:, None, None]
-    x[0] = 0
-    x[1, 0, :5] = torch.tensor([1e-30, -3.0, 448.0, 500.0, -1e4])
-    x = x.to(x_dtype)
-    res_q, res_scale, tail = native.tail_residual(x, block_dtype)
-    block = TorchRefAttention._block_value(x, block_dtype, None)
-    ref_q, ref_scale = exact_tail.quantize_residual(x, block)
-    assert torch.equal(res_q.view(torch.uint8), ref_q.view(torch.uint8))
-    assert torch.equal(res_scale, ref_scale)
-    assert torch.equal(tail, exact_tail.add_residual(block, ref_q, ref_scale))
+    x = _spread_rows(4000, x_dtype)
+    got = native.tail_residual(x, block_dtype)
+    ref = exact_tail.tail_values(x[:, None], block_dtype, [None])
+    assert torch.equal(got[0].view(torch.uint8), ref[0][:, 0].view(torch.uint8))
+    assert torch.equal(got[1], ref[1][:, 0])
+    assert torch.equal(got[2], ref[2][:, 0])
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
@@ -90,8 +93,7 @@ def test_tail_residual_matches_the_torch_functions_bit_for_bit(
 def test_write_fp8_stores_what_the_torch_write_stores(
     native: NativeFP8Gather, cache_dtype: torch.dtype, x_dtype: torch.dtype
 ) -> None:
-    torch.manual_seed(0)
-    x = (torch.randn(500, 3, 64) * torch.logspace(-6, 3, 500)[:, None, None]).to(x_dtype)
+    x = _spread_rows(500, x_dtype)
     slots = torch.randperm(64 * 16)[:500]  # scattered over 64 blocks of 16
     cache = torch.zeros(3, 64, 16, 64, dtype=cache_dtype)
     scales = torch.zeros(3, 64, 16, dtype=fp8.SCALE_DTYPE)
