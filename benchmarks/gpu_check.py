@@ -505,6 +505,16 @@ def engine_smoke(device: torch.device, work_dir: Path) -> dict[str, Any]:
     fp8, _ = _greedy(model_dir, dev, dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
     same = sum(a == b for p, q in zip(fp8, eager) for a, b in zip(p, q))
     out["fp8_kv_token_agreement_with_bf16"] = same / sum(len(p) for p in eager)
+    # the FP8 cache's exact tail (on by default here): graphs replay what eager steps compute
+    fp8_eager, _ = _greedy(model_dir, dev, dtype="bfloat16", kv_cache_dtype="fp8_e4m3",
+                           enforce_eager=True)  # fmt: skip
+    out["fp8_tail_graphs_match_eager"] = fp8 == fp8_eager
+    if fp8 != fp8_eager:
+        out["failures"].append("CUDA-graph tokens differ from eager tokens (FP8 exact tail)")
+    plain, _ = _greedy(model_dir, dev, dtype="bfloat16", kv_cache_dtype="fp8_e4m3",
+                       kv_cache_exact_tail_tokens=0, kv_cache_hadamard=False)  # fmt: skip
+    same = sum(a == b for p, q in zip(plain, eager) for a, b in zip(p, q))
+    out["fp8_no_tail_token_agreement_with_bf16"] = same / sum(len(p) for p in eager)
     # a prefix-cache hit: the same long prompt twice gives the same tokens, the second cached
     from infer8 import SamplingParams
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infer8.attention.exact_tail import DEFAULT_EXACT_SINK_TOKENS, DEFAULT_EXACT_TAIL_TOKENS
 from infer8.config import cuda_max_num_batched_tokens
 from infer8.worker import memory
 
@@ -109,10 +110,13 @@ class DeviceSpec:
     name: str
     memory_bytes: int
     bandwidth_bytes_per_s: float
+    has_e4m3: bool = True  # FP8 E4M3 (sm_89+): the engine's FP8 exact tail is on by default
 
 
-def _device(name: str, memory_gib: float, bandwidth_gbps: float) -> DeviceSpec:
-    return DeviceSpec(name, int(memory_gib * GiB), bandwidth_gbps * 1e9)
+def _device(
+    name: str, memory_gib: float, bandwidth_gbps: float, has_e4m3: bool = True
+) -> DeviceSpec:
+    return DeviceSpec(name, int(memory_gib * GiB), bandwidth_gbps * 1e9, has_e4m3)
 
 
 # Memory: torch.cuda.get_device_properties().total_memory (what the engine sees), not the
@@ -120,7 +124,7 @@ def _device(name: str, memory_gib: float, bandwidth_gbps: float) -> DeviceSpec:
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "h100-80gb": _device("h100-80gb", 79.11, 3350),
     "h200-141gb": _device("h200-141gb", 139.80, 4800),
-    "a100-80gb": _device("a100-80gb", 79.21, 2039),
+    "a100-80gb": _device("a100-80gb", 79.21, 2039, has_e4m3=False),
     "l4-24gb": _device("l4-24gb", 22.03, 300),
 }
 WEIGHT_DTYPES = ("bf16", "fp8", "int4")
@@ -243,12 +247,20 @@ class PlanInputs:
     max_num_batched_tokens: int | None = None  # None: the engine's auto for this GPU
     activation_reserve_bytes: int | None = None  # None: the engine's estimate
     use_kv_scales: bool = True
-    # FP8 exact tail: max_num_seqs stores of N - 1 + S FP8 residual tokens (0: the engine's
-    # auto on CUDA)
-    kv_cache_exact_tail_tokens: int = 0
-    kv_cache_exact_sink_tokens: int = 0
+    # FP8 exact tail: max_num_seqs stores of N - 1 + S FP8 residual tokens (None: the engine's
+    # auto, which keeps a tail for FP8 caches on GPUs with E4M3)
+    kv_cache_exact_tail_tokens: int | None = None
+    kv_cache_exact_sink_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        tail = self.kv_cache_exact_tail_tokens
+        if tail is None:
+            auto = KV_ELEMENT_BYTES.get(self.kv_cache_dtype) == 1 and self.device.has_e4m3
+            tail = DEFAULT_EXACT_TAIL_TOKENS if auto else 0
+            object.__setattr__(self, "kv_cache_exact_tail_tokens", tail)
+        if self.kv_cache_exact_sink_tokens is None:
+            sinks = DEFAULT_EXACT_SINK_TOKENS if tail else 0
+            object.__setattr__(self, "kv_cache_exact_sink_tokens", sinks)
         if self.max_num_batched_tokens is None:
             auto = cuda_max_num_batched_tokens(self.device.memory_bytes, self.device.name)
             object.__setattr__(self, "max_num_batched_tokens", auto)
@@ -653,16 +665,17 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-exact-tail-tokens",
         type=int,
-        default=0,
+        default=None,
         help="FP8 KV: exact tail window; its stores (max_num_seqs x (N-1+S) FP8 residual "
-        "tokens) come out of the KV budget (default: 0, the engine's auto on CUDA; 24 on CPU)",
+        "tokens) come out of the KV budget (default: the engine's auto, "
+        f"{DEFAULT_EXACT_TAIL_TOKENS} on GPUs with E4M3, 0 on A100s)",
     )
     parser.add_argument(
         "--kv-cache-exact-sink-tokens",
         type=int,
-        default=0,
+        default=None,
         help="FP8 KV with a tail: first tokens of each sequence kept at 16-bit precision "
-        "(S above; 4 on CPU)",
+        f"(S above; default {DEFAULT_EXACT_SINK_TOKENS} where the tail is on)",
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)

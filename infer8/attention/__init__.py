@@ -18,6 +18,18 @@ MIN_CAPABILITY_FP8_E4M3 = (8, 9)
 MIN_CAPABILITY_TRITON = (8, 0)
 
 
+def tail_kernels_available(device: torch.device, capability: tuple[int, int] | None = None) -> bool:
+    """Return whether this device's attention reads an FP8 exact tail and rotated keys.
+
+    The CPU backend does; the Triton kernels do where E4M3 runs (the residuals are E4M3).
+    """
+    if device.type != "cuda":
+        return True
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    return capability >= MIN_CAPABILITY_FP8_E4M3
+
+
 def select_backend(
     device: torch.device,
     kv_spec: KVCacheSpec,
@@ -28,8 +40,9 @@ def select_backend(
 
     - CPU: the torch reference with the native C gather (FP8 dequantized in one pass), else
       torch.compile'd dequantization where no C compiler is present.
-    - CUDA: the Triton paged kernels; a cache with an exact tail or rotated keys uses the
-      reference backend on the GPU (the kernels read no tail yet); logged once.
+    - CUDA: the Triton paged kernels, exact tail and rotated keys included (triton_tail.py);
+      before sm_89 (no E4M3 for the tail's residuals) a cache with a tail or rotated keys
+      uses the reference backend on the GPU, logged once.
     Raises ValueError for a combination no backend runs (an E4M3 cache before sm_89).
     """
     from infer8.attention.torch_ref import TorchRefAttention
@@ -48,10 +61,13 @@ def select_backend(
             f"--kv-cache-dtype fp8_e4m3 needs FP8 support (sm_89+, Ada or Hopper); this GPU is "
             f"{name}: use --kv-cache-dtype fp8_e5m2 (same capacity) or auto"
         )
-    if kv_spec.exact_tail_tokens > 0 or kv_spec.hadamard:
+    uses_tail = kv_spec.exact_tail_tokens > 0 or kv_spec.hadamard
+    if uses_tail and not tail_kernels_available(device, capability):
         logger.warning(
-            "FP8 exact tail / rotated keys: the Triton kernels read no tail yet; using the "
-            "reference attention on CUDA (--kv-cache-exact-tail-tokens 0 for the kernels)"
+            "FP8 exact tail / rotated keys on %s: the Triton kernels need E4M3 (sm_89+) for "
+            "the tail; using the reference attention (--kv-cache-exact-tail-tokens 0 and "
+            "--no-kv-cache-hadamard for the kernels)",
+            name,
         )
         return TorchRefAttention(use_compile=not enforce_eager)
     from infer8.attention.triton_paged import TritonAttention

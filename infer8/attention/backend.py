@@ -22,5 +22,13 @@ class AttentionBackend(Protocol):
     ) -> None: ...
 
     def forward(
-        self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor: ...
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        k_new: torch.Tensor | None = None,
+        v_new: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend; k_new / v_new (this step's K/V) are passed when the cache has an exact tail."""
+        ...

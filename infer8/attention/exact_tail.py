@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from infer8.worker.kv_cache import KVCacheSpec
 
 # Measured on the default model (docs/accuracy.md, "Exact tail"), used when the flags are left on
-# auto for an FP8 cache on the reference (CPU) backend: the window and the sinks (together they
+# auto for an FP8 cache whose kernels read the tail: the window and the sinks (together they
 # keep bench capacity's FP8/bf16 ratio >= 1.9x at 1,024 tokens) and the rotation.
 DEFAULT_EXACT_TAIL_TOKENS = 24
 DEFAULT_EXACT_SINK_TOKENS = 4
@@ -73,7 +73,7 @@ def resolve_exact_tail(
     tail_tokens: int | None,
     hadamard: bool | None,
     is_fp8: bool,
-    is_reference_backend: bool,
+    kernels_read_tail: bool,
     has_static_scales: bool,
     head_dim: int,
     sink_tokens: int | None = None,
@@ -81,9 +81,10 @@ def resolve_exact_tail(
 ) -> ExactTailConfig:
     """Return the window, sinks and rotation of a cache; None means auto.
 
-    Auto turns them on only for an FP8 cache on the reference backend (the Triton kernels do
-    not read a tail yet) with dynamic scales (static scales are calibrated on unrotated K).
-    Sinks need a window (they share its store) and fit in the first block (they are keyed by it).
+    Auto turns them on for an FP8 cache where the attention kernels read a tail (the CPU
+    backend, and the Triton kernels on GPUs with E4M3, sm_89+: the residuals are E4M3) with
+    dynamic scales (static scales are calibrated on unrotated K). Sinks need a window (they
+    share its store) and fit in the first block (they are keyed by it).
     """
     if not is_fp8:
         return ExactTailConfig()
@@ -93,7 +94,7 @@ def resolve_exact_tail(
     if hadamard and not pow2:
         raise ValueError(f"kv_cache_hadamard needs a power-of-two head_dim, got {head_dim}")
     if tail_tokens is None:
-        tail_tokens = DEFAULT_EXACT_TAIL_TOKENS if is_reference_backend else 0
+        tail_tokens = DEFAULT_EXACT_TAIL_TOKENS if kernels_read_tail else 0
     if sink_tokens is None:
         sink_tokens = DEFAULT_EXACT_SINK_TOKENS if tail_tokens else 0
     if sink_tokens and not tail_tokens:
@@ -104,8 +105,7 @@ def resolve_exact_tail(
             f"(block_size {block_size})"
         )
     if hadamard is None:
-        hadamard = DEFAULT_HADAMARD and is_reference_backend and pow2
-        hadamard = hadamard and not has_static_scales
+        hadamard = DEFAULT_HADAMARD and kernels_read_tail and pow2 and not has_static_scales
     return ExactTailConfig(tail_tokens, sink_tokens, hadamard)
 
 
@@ -202,6 +202,9 @@ class TailMetadata:
     # then its sink slot's row) and whether each holds one (1.0) or is unused (0.0)
     decode_pos: torch.Tensor  # [num_decode, 2 * stride] int64
     decode_valid: torch.Tensor  # [num_decode, 2 * stride] float32
+    # per sequence: its ring row and its sink slot's row (-1: none), for the Triton kernels
+    rows: list[int] = field(default_factory=list)
+    sink_rows: list[int] = field(default_factory=list)
 
 
 def build_tail_metadata(
@@ -292,6 +295,8 @@ def build_tail_metadata(
         torch.tensor(dec_valid, dtype=torch.float32, device=device).view(
             len(decode_seq_ids), 2 * stride
         ),
+        rows=list(rows),
+        sink_rows=[slot for slot, _ in sinks],
     )
 
 

@@ -1,5 +1,6 @@
-"""Triton attention over the paged cache (the CUDA backend): fused quantize-on-write, split-K
-decode and varlen prefill that read 1-byte FP8 blocks and dequantize them in registers.
+"""Triton attention over the paged cache (the CUDA backend): the launchers and the backend of
+the fused quantize-on-write (triton_fp8.py), split-K decode and varlen prefill kernels
+(triton_kernels.py) that read 1-byte FP8 blocks and dequantize them in registers.
 
 The cache layout is the reference's: K/V [num_kv_heads, num_blocks, block_size, head_dim],
 dynamic FP8 scales [num_kv_heads, num_blocks, block_size] in bf16, or static scales
@@ -20,484 +21,27 @@ import torch
 import triton
 import triton.language as tl
 
+from infer8.attention.exact_tail import rotate
 from infer8.attention.metadata import AttentionMetadata
+from infer8.attention.triton_fp8 import X_MODES, grid_constants, write_kv_kernel
+from infer8.attention.triton_kernels import decode_kernel, prefill_kernel, reduce_kernel
+from infer8.attention.triton_tail import (
+    TritonTailStep,
+    build_tail_step,
+    tail_residuals,
+    write_ring,
+)
 from infer8.quant import fp8
 from infer8.worker.kv_cache import LayerKVCache
 
 _LOG2E = 1.4426950408889634
 # Scale modes of a cache, as the kernels see them.
 _NO_SCALE, _DYNAMIC, _STATIC = 0, 1, 2
-# (mantissa bits, smallest normal, magic constant) per storage format, for _round_to_grid. The
-# magic is 1.5 * 2**(23 + e) where 2**e is the format's subnormal spacing, so (x + magic) -
-# magic rounds x to that spacing in fp32 (round to nearest even).
-_GRID = {
-    torch.float8_e4m3fn: (3, 2.0**-6, 1.5 * 2.0 ** (23 - 9)),
-    torch.float8_e5m2: (2, 2.0**-14, 1.5 * 2.0 ** (23 - 16)),
-    torch.bfloat16: (7, 0.0, 0.0),  # shares fp32's exponent: no separate subnormal case
-}
 
 
 def is_interpreted() -> bool:
     """Return whether these kernels were defined under TRITON_INTERPRET=1 (CPU tensors)."""
-    return not isinstance(_write_kv_kernel, triton.runtime.JITFunction)
-
-
-# -- kernels --------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_to_grid(x, MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, MAGIC: tl.constexpr):
-    """Round fp32 x to the nearest (ties to even) value with MANT_BITS mantissa bits.
-
-    The cast that follows is then exact. Hardware casts round the same way; the interpreter's
-    fp32 -> fp8/bf16 casts do not (bf16 truncates; fp8 loses the carry when rounding crosses a
-    power of two, e.g. -31.6 -> -16 in e4m3), so rounding here makes both bit-identical to torch.
-    """
-    SHIFT: tl.constexpr = 23 - MANT_BITS
-    bits = x.to(tl.int32, bitcast=True)
-    lsb = (bits >> SHIFT) & 1
-    bits = (bits + ((1 << (SHIFT - 1)) - 1) + lsb) & (-(1 << SHIFT))
-    y = bits.to(tl.float32, bitcast=True)
-    if MIN_NORMAL > 0:
-        tiny = (tl.abs(x) + MAGIC) - MAGIC
-        tiny = tl.where(x < 0, -tiny, tiny)  # keeps -0.0 for tiny negatives, as torch does
-        y = tl.where(tl.abs(x) < MIN_NORMAL, tiny, y)
-    return y
-
-
-@triton.jit
-def _write_kv_kernel(
-    k_ptr,
-    v_ptr,
-    slot_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    k_static_ptr,
-    v_static_ptr,
-    saturated_ptr,
-    stride_xt,
-    stride_xh,
-    stride_vt,
-    stride_vh,
-    stride_ch,
-    stride_cb,
-    stride_cs,
-    stride_sh,
-    stride_sb,
-    stride_static_h,
-    stride_static_d,
-    num_kv_heads,
-    head_dim,
-    fp8_max,
-    scale_factor,
-    min_scale,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    MANT_BITS: tl.constexpr,
-    MIN_NORMAL: tl.constexpr,
-    MAGIC: tl.constexpr,
-):
-    """Store one token's K and V (all KV heads) in its slot, quantizing for FP8 caches."""
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:  # negative slots are padding (CUDA-graph buckets): nothing to store
-        block = slot // BLOCK_SIZE
-        offset = slot % BLOCK_SIZE
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)
-        # [BLOCK_H, BLOCK_D] fp32
-        k = tl.load(
-            k_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :],
-            mask=mask,
-            other=0.0,
-        ).to(tl.float32)
-        v = tl.load(
-            v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
-            mask=mask,
-            other=0.0,
-        ).to(tl.float32)
-        cache_off = (
-            offs_h[:, None].to(tl.int64) * stride_ch
-            + block * stride_cb
-            + offset * stride_cs
-            + offs_d[None, :]
-        )
-        if SCALE_MODE == 1:  # dynamic: one bf16 scale per token and KV head
-            scale_off = offs_h.to(tl.int64) * stride_sh + block * stride_sb + offset
-            k_s = _round_to_grid(
-                tl.maximum(tl.max(tl.abs(k), axis=1) * scale_factor, min_scale), 7, 0.0, 0.0
-            )
-            v_s = _round_to_grid(
-                tl.maximum(tl.max(tl.abs(v), axis=1) * scale_factor, min_scale), 7, 0.0, 0.0
-            )
-            tl.store(k_scale_ptr + scale_off, k_s.to(tl.bfloat16), mask=offs_h < num_kv_heads)
-            tl.store(v_scale_ptr + scale_off, v_s.to(tl.bfloat16), mask=offs_h < num_kv_heads)
-            k = tl.math.div_rn(k, k_s[:, None])
-            v = tl.math.div_rn(v, v_s[:, None])
-        elif SCALE_MODE == 2:  # static: [kvh or 1, head_dim or 1], zero strides broadcast
-            static_off = offs_h[:, None] * stride_static_h + offs_d[None, :] * stride_static_d
-            k = tl.math.div_rn(k, tl.load(k_static_ptr + static_off, mask=mask, other=1.0))
-            v = tl.math.div_rn(v, tl.load(v_static_ptr + static_off, mask=mask, other=1.0))
-            clipped = tl.where(mask & (tl.abs(k) > fp8_max), 1, 0) + tl.where(
-                mask & (tl.abs(v) > fp8_max), 1, 0
-            )
-            num_clipped = tl.sum(tl.sum(clipped, axis=1), axis=0).to(tl.int64)
-            if num_clipped > 0:
-                tl.atomic_add(saturated_ptr, num_clipped)
-        if SCALE_MODE != 0:
-            k = tl.clamp(k, -fp8_max, fp8_max)
-            v = tl.clamp(v, -fp8_max, fp8_max)
-        if MANT_BITS > 0:
-            k = _round_to_grid(k, MANT_BITS, MIN_NORMAL, MAGIC)
-            v = _round_to_grid(v, MANT_BITS, MIN_NORMAL, MAGIC)
-        tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _load_kv_tile(
-    cache_ptr,
-    scale_ptr,
-    table_row_ptr,
-    kv_head,
-    offs_n,
-    offs_d,
-    mask_n,
-    mask_d,
-    stride_ch,
-    stride_cb,
-    stride_cs,
-    stride_sh,
-    stride_sb,
-    BLOCK_SIZE: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """Gather tokens offs_n of one sequence: a [BLOCK_N, BLOCK_D] tile and [BLOCK_N] scales.
-
-    The tile is widened to DOT_DTYPE in registers (exact for FP8); the per-token scales are
-    returned separately (ones unless the cache is dynamic FP8) so callers fold them in.
-    """
-    block = tl.load(table_row_ptr + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-    offset = offs_n % BLOCK_SIZE
-    row = kv_head.to(tl.int64) * stride_ch + block * stride_cb + offset * stride_cs
-    tile = tl.load(
-        cache_ptr + row[:, None] + offs_d[None, :],
-        mask=mask_n[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)
-    if SCALE_MODE == 1:
-        scale = tl.load(
-            scale_ptr + kv_head.to(tl.int64) * stride_sh + block * stride_sb + offset,
-            mask=mask_n,
-            other=0.0,
-        ).to(tl.float32)
-    else:
-        scale = tl.full(offs_n.shape, 1.0, tl.float32)
-    return tile, scale
-
-
-@triton.jit
-def _decode_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    k_static_ptr,
-    v_static_ptr,
-    out_ptr,
-    mid_out_ptr,
-    mid_lse_ptr,
-    token_idx_ptr,
-    seq_lens_ptr,
-    block_table_ptr,
-    qk_scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_ch,
-    stride_cb,
-    stride_cs,
-    stride_sh,
-    stride_sb,
-    stride_static_h,
-    stride_static_d,
-    stride_bt,
-    stride_mb,
-    stride_mh,
-    stride_ms,
-    stride_lb,
-    stride_lh,
-    head_dim,
-    min_split_tokens,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    DIRECT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """One split of one sequence's context for the GROUP query heads of one KV head.
-
-    Flash-decoding: each program keeps a running max / sum / accumulator over its split; with
-    DIRECT (one split) it writes the normalized output, else a partial output and its
-    log-sum-exp (base 2) for _reduce_kernel. How a context is split depends only on its own
-    length and the grid's split count, never on the batch: eager steps and CUDA-graph replays
-    of any bucket compute the same numbers.
-    """
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    token = tl.load(token_idx_ptr + b).to(tl.int64)
-    split_size = _split_size(seq_len, tl.num_programs(2), min_split_tokens, BLOCK_N)
-    start = split * split_size
-    end = tl.minimum(start + split_size, seq_len)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_g = offs_g < GROUP
-    mask_d = offs_d < head_dim
-    heads = kv_head * GROUP + offs_g
-    q = tl.load(
-        q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_g[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(tl.float32)  # [BLOCK_G, BLOCK_D]
-    if SCALE_MODE == 2:
-        static_off = kv_head * stride_static_h + offs_d * stride_static_d
-        q = q * tl.load(k_static_ptr + static_off, mask=mask_d, other=0.0)[None, :]
-    q = q.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
-    table_row = block_table_ptr + b.to(tl.int64) * stride_bt
-
-    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        k, k_s = _load_kv_tile(
-            k_cache_ptr, k_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
-            stride_ch, stride_cb, stride_cs, stride_sh, stride_sb,
-            BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
-        )  # fmt: skip
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_G, BLOCK_N]
-        scores = scores * (k_s * qk_scale)[None, :]
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v, v_s = _load_kv_tile(
-            v_cache_ptr, v_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
-            stride_ch, stride_cb, stride_cs, stride_sh, stride_sb,
-            BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
-        )  # fmt: skip
-        p = (p * v_s[None, :]).to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
-
-    if SCALE_MODE == 2:
-        static_off = kv_head * stride_static_h + offs_d * stride_static_d
-        acc = acc * tl.load(v_static_ptr + static_off, mask=mask_d, other=0.0)[None, :]
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty sequence (padding) gives zeros
-    mask_out = mask_g[:, None] & mask_d[None, :]
-    if DIRECT:
-        tl.store(
-            out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=mask_out,
-        )
-    else:
-        is_used = tl.full((BLOCK_G,), 0, tl.int32) + start < seq_len  # [BLOCK_G]
-        mid = b.to(tl.int64) * stride_mb + heads * stride_mh + split * stride_ms
-        tl.store(
-            mid_out_ptr + mid[:, None] + offs_d[None, :], out, mask=mask_out & is_used[:, None]
-        )
-        lse_off = b.to(tl.int64) * stride_lb + heads * stride_lh + split
-        tl.store(
-            mid_lse_ptr + lse_off, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), mask=mask_g & is_used
-        )
-
-
-@triton.jit
-def _split_size(seq_len, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
-    """Return the tokens per split of a context: an even share, at least min_split_tokens."""
-    share = tl.maximum(tl.cdiv(seq_len, num_splits), min_split_tokens)
-    return tl.cdiv(share, BLOCK_N) * BLOCK_N
-
-
-@triton.jit
-def _reduce_kernel(
-    mid_out_ptr,
-    mid_lse_ptr,
-    out_ptr,
-    token_idx_ptr,
-    seq_lens_ptr,
-    stride_mb,
-    stride_mh,
-    stride_ms,
-    stride_lb,
-    stride_lh,
-    stride_ot,
-    stride_oh,
-    head_dim,
-    num_splits,
-    min_split_tokens,
-    BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Combine one (sequence, query head)'s split partials by their log-sum-exp weights."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    token = tl.load(token_idx_ptr + b).to(tl.int64)
-    num_used = tl.cdiv(seq_len, _split_size(seq_len, num_splits, min_split_tokens, BLOCK_N))
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_used
-    mask_d = offs_d < head_dim
-    base = b.to(tl.int64) * stride_mb + h * stride_mh + offs_s * stride_ms
-    lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + offs_s
-    lse = tl.load(mid_lse_ptr + lse_off, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(mask_s, tl.exp2(lse - m), 0.0)  # [BLOCK_S]
-    partial = tl.load(
-        mid_out_ptr + base[:, None] + offs_d[None, :],
-        mask=mask_s[:, None] & mask_d[None, :],
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_D]
-    total = tl.sum(w, axis=0)
-    out = tl.sum(partial * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + token * stride_ot + h * stride_oh + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=mask_d,
-    )
-
-
-@triton.jit
-def _prefill_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    k_static_ptr,
-    v_static_ptr,
-    out_ptr,
-    q_start_ptr,
-    q_lens_ptr,
-    seq_lens_ptr,
-    block_table_ptr,
-    qk_scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_ch,
-    stride_cb,
-    stride_cs,
-    stride_sh,
-    stride_sb,
-    stride_static_h,
-    stride_static_d,
-    stride_bt,
-    head_dim,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    PRECISION: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """BLOCK_M new tokens of one sequence, one query head, over its cached context.
-
-    Query j of a chunk of q_len sits at position seq_len - q_len + j and sees keys up to it:
-    full attention over the cached prefix, causal within the chunk.
-    """
-    i = tl.program_id(0)
-    m_tile = tl.program_id(1)
-    head = tl.program_id(2)
-    kv_head = head // GROUP
-    q_start = tl.load(q_start_ptr + i).to(tl.int64)
-    q_len = tl.load(q_lens_ptr + i)
-    seq_len = tl.load(seq_lens_ptr + i)
-    context_len = seq_len - q_len
-
-    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < q_len
-    mask_d = offs_d < head_dim
-    positions = context_len + offs_m
-    rows = (q_start + offs_m)[:, None]
-    q = tl.load(
-        q_ptr + rows * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=mask_m[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(tl.float32)  # [BLOCK_M, BLOCK_D]
-    if SCALE_MODE == 2:
-        static_off = kv_head * stride_static_h + offs_d * stride_static_d
-        q = q * tl.load(k_static_ptr + static_off, mask=mask_d, other=0.0)[None, :]
-    q = q.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
-    table_row = block_table_ptr + i.to(tl.int64) * stride_bt
-
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    # Keys past this tile's last query are never seen; a tile past the chunk reads nothing.
-    kv_end = tl.where(
-        m_tile * BLOCK_M < q_len, tl.minimum(seq_len, context_len + (m_tile + 1) * BLOCK_M), 0
-    )
-    for n0 in range(0, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < seq_len
-        k, k_s = _load_kv_tile(
-            k_cache_ptr, k_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
-            stride_ch, stride_cb, stride_cs, stride_sh, stride_sb,
-            BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
-        )  # fmt: skip
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-        scores = scores * (k_s * qk_scale)[None, :]
-        visible = mask_n[None, :] & (offs_n[None, :] <= positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        # every row sees key 0 in the first tile, so m_new is finite from there on
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v, v_s = _load_kv_tile(
-            v_cache_ptr, v_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
-            stride_ch, stride_cb, stride_cs, stride_sh, stride_sb,
-            BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
-        )  # fmt: skip
-        p = (p * v_s[None, :]).to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
-
-    if SCALE_MODE == 2:
-        static_off = kv_head * stride_static_h + offs_d * stride_static_d
-        acc = acc * tl.load(v_static_ptr + static_off, mask=mask_d, other=0.0)[None, :]
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + rows * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_d[None, :],
-    )
+    return not isinstance(write_kv_kernel, triton.runtime.JITFunction)
 
 
 # -- launchers ------------------------------------------------------------------------------
@@ -565,46 +109,74 @@ def _cache_args(cache: LayerKVCache) -> _CacheArgs:
     )  # fmt: skip
 
 
-def _grid_constants(dtype: torch.dtype) -> tuple[int, float, float]:
-    """Return _round_to_grid's (mantissa bits, smallest normal, magic); 0 bits = plain cast."""
-    return _GRID.get(dtype, (0, 0.0, 0.0))
-
-
 def write_kv(
     cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store each token's K/V in its slot (slot < 0: skip), quantizing when the cache is FP8.
 
     k, v: [num_tokens, num_kv_heads, head_dim] (rows may be strided views of a fused QKV).
+    A cache with rotated keys (cache.k_rotation) gets K and V rotated in the same pass.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1
+    rotation = cache.k_rotation
+    assert rotation is None or cache.rotate_values, "the kernels rotate K and V together"
     if cache.k_amax is not None:  # calibration observers, as in the reference
         assert cache.v_amax is not None
-        torch.maximum(cache.k_amax, k.abs().amax(dim=0).float(), out=cache.k_amax)
-        torch.maximum(cache.v_amax, v.abs().amax(dim=0).float(), out=cache.v_amax)
+        obs_k, obs_v = (k, v) if rotation is None else (rotate(k, rotation), rotate(v, rotation))
+        torch.maximum(cache.k_amax, obs_k.abs().amax(dim=0).float(), out=cache.k_amax)
+        torch.maximum(cache.v_amax, obs_v.abs().amax(dim=0).float(), out=cache.v_amax)
     args = _cache_args(cache)
     is_fp8 = args.scale_mode != _NO_SCALE
     fmax = fp8.fp8_max(cache.k.dtype) if is_fp8 else 0.0
     if args.scale_mode == _STATIC:
         assert cache.num_saturated is not None, "static scales count clipped values"
     saturated = cache.num_saturated if cache.num_saturated is not None else slot_mapping
-    mant_bits, min_normal, magic = _grid_constants(cache.k.dtype)
-    _write_kv_kernel[(num_tokens,)](
+    mant_bits, min_normal, magic = grid_constants(cache.k.dtype)
+    block_h = triton.next_power_of_2(num_kv_heads)
+    write_kv_kernel[(num_tokens,)](
         k, v, slot_mapping, args.k, args.v, args.k_scale, args.v_scale,
-        args.k_static, args.v_static, saturated,
+        args.k_static, args.v_static, saturated, rotation if rotation is not None else k,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *args.strides,
         num_kv_heads, head_dim, fmax,
         fp8.SCALE_ROUND_UP / fmax if is_fp8 else 1.0, fp8._MIN_SCALE,
         BLOCK_SIZE=cache.block_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=block_h if rotation is None else max(16, block_h),  # tl.dot needs 16 rows
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         SCALE_MODE=args.scale_mode,
         MANT_BITS=mant_bits,
         MIN_NORMAL=min_normal,
         MAGIC=magic,
+        ROTATE=rotation is not None,
+        X_MODE=X_MODES[k.dtype],
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TailArgs:
+    """What the attention kernels read of the exact tail in one layer's step."""
+
+    step: TritonTailStep
+    new: tuple[torch.Tensor, torch.Tensor]  # this step's residuals and scales (tail_residuals)
+
+
+def _tail_args(
+    cache: LayerKVCache, tail: TailArgs | None, kind: str, q: torch.Tensor
+) -> tuple[object, ...]:
+    """Return the kernels' rotation and tail arguments (unused pointers get q)."""
+    rot = cache.k_rotation if cache.k_rotation is not None else q
+    if tail is None:
+        return (rot, q, q, q, q, q, 0, 0, 1, 0, 0, 0, 0)
+    assert cache.kv_tail is not None
+    store, store_scale = cache.kv_tail
+    step = tail.step
+    table = step.decode if kind == "decode" else step.prefill
+    return (
+        rot, store, store_scale, tail.new[0], tail.new[1], table,
+        step.window, step.ring, max(step.ring, 1), store.shape[2],
+        store.stride(0), store_scale.stride(0), cache.k.shape[0],
     )  # fmt: skip
 
 
@@ -628,12 +200,14 @@ def paged_decode_attention(
     scale: float,
     num_splits: int = 1,
     config: KernelConfig | None = None,
+    tail: TailArgs | None = None,
 ) -> None:
     """Attend one query token per sequence over its cached context, GQA-aware.
 
     q, out: [num_tokens, num_heads, head_dim]; sequence b reads q[token_idx[b]] and writes
     out[token_idx[b]]. seq_lens: [B] int32 (0: padding, gets zeros); block_tables:
     [B, max_blocks]. Each context is cut into at most num_splits splits (flash-decoding).
+    tail: the exact tail's step tables and this step's residuals (triton_tail.py).
     """
     config = config or KernelConfig()
     num_seqs = seq_lens.shape[0]
@@ -659,12 +233,13 @@ def paged_decode_attention(
             (num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device
         )
         mid_strides = (*mid_out.stride()[:3], *mid_lse.stride()[:2])
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, args.k, args.v, args.k_scale, args.v_scale, args.k_static, args.v_static,
         out, mid_out, mid_lse, token_idx, seq_lens, block_tables,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *args.strides,
         block_tables.stride(0), *mid_strides, head_dim, min_split,
+        *_tail_args(cache, tail, "decode", q),
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
@@ -673,12 +248,14 @@ def paged_decode_attention(
         SCALE_MODE=args.scale_mode,
         DIRECT=direct,
         PRECISION=_precision(q.dtype),
+        HAS_TAIL=tail is not None,
+        ROTATE=cache.k_rotation is not None,
         DOT_DTYPE=_dot_dtype(q.dtype),
         num_warps=config.decode_num_warps,
         num_stages=config.decode_num_stages,
     )  # fmt: skip
     if not direct:
-        _reduce_kernel[(num_seqs, num_heads)](
+        reduce_kernel[(num_seqs, num_heads)](
             mid_out, mid_lse, out, token_idx, seq_lens, *mid_strides,
             out.stride(0), out.stride(1), head_dim, num_splits, min_split,
             BLOCK_N=block_n,
@@ -698,12 +275,13 @@ def paged_prefill_attention(
     max_q_len: int,
     scale: float,
     config: KernelConfig | None = None,
+    tail: TailArgs | None = None,
 ) -> None:
     """Attend packed variable-length chunks over their cached context (causal in the chunk).
 
     Sequence i owns rows [q_start[i], q_start[i] + q_lens[i]) of q and out ([num_tokens,
     num_heads, head_dim]) and has seq_lens[i] tokens of context, its chunk included, in the
-    blocks of block_tables[i]. q_start, q_lens, seq_lens: [P] int32.
+    blocks of block_tables[i]. q_start, q_lens, seq_lens: [P] int32. tail: as for decode.
     """
     config = config or KernelConfig()
     num_seqs = seq_lens.shape[0]
@@ -715,12 +293,13 @@ def paged_prefill_attention(
     args = _cache_args(cache)
     block_m = config.prefill_block_m
     grid = (num_seqs, -(-max_q_len // block_m), num_heads)
-    _prefill_kernel[grid](
+    prefill_kernel[grid](
         q, args.k, args.v, args.k_scale, args.v_scale, args.k_static, args.v_static,
         out, q_start, q_lens, seq_lens, block_tables,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *args.strides,
         block_tables.stride(0), head_dim,
+        *_tail_args(cache, tail, "prefill", q),
         GROUP=num_heads // num_kv_heads,
         BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -728,6 +307,8 @@ def paged_prefill_attention(
         BLOCK_SIZE=cache.block_size,
         SCALE_MODE=args.scale_mode,
         PRECISION=_precision(q.dtype),
+        HAS_TAIL=tail is not None,
+        ROTATE=cache.k_rotation is not None,
         DOT_DTYPE=_dot_dtype(q.dtype),
         num_warps=config.prefill_num_warps,
         num_stages=config.prefill_num_stages,
@@ -765,6 +346,7 @@ class TritonStepMetadata:
     prefill_seq_lens: torch.Tensor  # [num_prefill] int32
     prefill_block_tables: torch.Tensor  # [num_prefill, max_blocks]
     prefill_max_q_len: int
+    tail: TritonTailStep | None = None  # an FP8 cache's exact tail (meta.tail)
 
 
 class TritonAttention:
@@ -818,6 +400,11 @@ class TritonAttention:
             prefill_block_tables=meta.block_tables[pre] if pre else meta.block_tables[:0],
             prefill_max_q_len=max(q_lens, default=0),
         )
+        if meta.tail is not None:
+            step.tail = build_tail_step(
+                meta.tail, meta.num_real_tokens, meta.decode_seq_ids, pre,
+                meta.query_start_loc, meta.seq_lens, dev,
+            )  # fmt: skip
         self._step = (meta, step)
         return step
 
@@ -837,33 +424,47 @@ class TritonAttention:
         cache: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
+        k_new: torch.Tensor | None = None,
+        v_new: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend each sequence's new tokens over its cached context (causal within the chunk).
 
         q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]; padding
-        tokens (index >= meta.num_real_tokens) get zeros.
+        tokens (index >= meta.num_real_tokens) get zeros. With an exact tail (the step's tail
+        tables and cache.kv_tail), k_new / v_new are this step's K/V ([num_real_tokens,
+        num_kv_heads, head_dim]): their residuals are computed and the sinks stored before
+        attention, the rings written after (triton_tail.py). Rotated keys are rotated inside
+        the kernels.
         """
         step = self.prepare(meta)
         if out is None:
             out = torch.empty_like(q)
         if q.shape[0] > meta.num_real_tokens:
             out[meta.num_real_tokens :].zero_()
+        tail = None
+        if step.tail is not None and cache.kv_tail is not None:
+            assert k_new is not None and v_new is not None, "the exact tail reads this step's K/V"
+            tail = TailArgs(step.tail, tail_residuals(cache, k_new, v_new, step.tail))
         if meta.decode_seq_ids:
             paged_decode_attention(
                 q, cache, out, step.decode_token_ids, step.decode_seq_lens,
                 step.decode_block_tables, scale, self.num_splits(cache.k.shape[0]), self.config,
+                tail,
             )  # fmt: skip
         if meta.prefill_seq_ids:
             paged_prefill_attention(
                 q, cache, out, step.prefill_q_start, step.prefill_q_lens, step.prefill_seq_lens,
-                step.prefill_block_tables, step.prefill_max_q_len, scale, self.config,
+                step.prefill_block_tables, step.prefill_max_q_len, scale, self.config, tail,
             )  # fmt: skip
+        if tail is not None:
+            write_ring(cache, tail.new, tail.step)
         return out
 
 
 __all__ = [
     "KernelConfig",
+    "TailArgs",
     "TritonAttention",
     "TritonStepMetadata",
     "choose_num_splits",

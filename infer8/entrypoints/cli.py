@@ -41,12 +41,12 @@ HELP: dict[str, str] = {
     "kv_scales_path": "JSON file of static KV scales made by `infer8 calibrate-kv`",
     "kv_cache_exact_tail_tokens": "FP8 cache: each sequence's last N tokens are read at 16-bit "
     "precision (an E4M3 residual beside the block; costs max_num_seqs x (N-1) FP8 tokens); "
-    "None = auto: 24 on CPU, 0 on CUDA",
+    "None = auto: 24 on CPU and on GPUs with E4M3 (sm_89+), 0 before",
     "kv_cache_exact_sink_tokens": "FP8 cache with a tail: each sequence's first N tokens (its "
     "attention sinks) are read at 16-bit precision too (max_num_seqs x N FP8 tokens; at most "
     "--block-size); None = auto: 4 where the tail is on",
     "kv_cache_hadamard": "FP8 cache: Hadamard-rotate K/q and V/output per head before "
-    "quantizing; None = auto: on for dynamic scales on CPU, off on CUDA",
+    "quantizing; None = auto: on for dynamic scales where the tail is on by default",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes across requests "
     "(ignored by --scheduler static)",
     "max_num_seqs": "most requests in one batch",

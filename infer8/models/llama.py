@@ -183,12 +183,10 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         n = meta.num_real_tokens
         self.backend.write_kv(cache, k[:n], v[:n], meta.slot_mapping)
-        if meta.tail is None:
+        if cache.kv_tail is None:
             o = self.backend.forward(q, cache, meta, self.scale)
         else:  # an FP8 cache's exact tail also reads this step's K/V unquantized
-            o = self.backend.forward(  # type: ignore[call-arg]
-                q, cache, meta, self.scale, k[:n], v[:n]
-            )
+            o = self.backend.forward(q, cache, meta, self.scale, k_new=k[:n], v_new=v[:n])
         return self.o_proj(o.reshape(t, self.q_size))
 
 

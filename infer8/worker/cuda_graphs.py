@@ -2,8 +2,9 @@
 
 A decode step launches a few kernels per layer with almost no work each, so on a GPU the
 launch overhead rivals the math; replaying a captured graph removes it. Each bucket owns static
-input buffers (token ids, positions, slots, context lengths, block tables) that a step copies
-into before replay. Padding rows have slot -1 (nothing is written) and context length 0 (the
+input buffers (token ids, positions, slots, context lengths, block tables; with an FP8 exact
+tail its per-token ring and sink slots and per-sequence tail table) that a step copies into
+before replay. Padding rows have slot -1 (nothing is written) and context length 0 (the
 attention kernel returns zeros), so they cannot disturb real sequences. Without CUDA the same
 class runs the model eagerly on those buffers, which lets CPU tests check the padding.
 """
@@ -16,6 +17,7 @@ import torch
 
 from infer8.attention.metadata import AttentionMetadata
 from infer8.attention.triton_paged import TritonAttention, TritonStepMetadata
+from infer8.attention.triton_tail import TritonTailStep, build_tail_step
 from infer8.models.llama import LlamaForCausalLM
 from infer8.worker.kv_cache import LayerKVCache
 
@@ -40,8 +42,9 @@ class _Bucket:
     """The static buffers, metadata and (on CUDA) the graph of one batch size."""
 
     def __init__(
-        self, size: int, max_blocks: int, max_model_len: int, device: torch.device
-    ) -> None:
+        self, size: int, max_blocks: int, max_model_len: int, device: torch.device,
+        tail_window: int = 0,
+    ) -> None:  # fmt: skip
         self.size = size
         self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)
@@ -72,6 +75,15 @@ class _Bucket:
             prefill_block_tables=self.block_tables[:0],
             prefill_max_q_len=0,
         )
+        if tail_window:  # an FP8 cache's exact tail: padding tokens enter no ring or sink
+            self.step.tail = TritonTailStep(
+                tail_window,
+                tail_window - 1,
+                torch.full((size,), -1, dtype=torch.int64, device=device),
+                torch.full((size,), -1, dtype=torch.int64, device=device),
+                torch.zeros((size, 4), dtype=torch.int32, device=device),
+                torch.zeros((0, 4), dtype=torch.int32, device=device),
+            )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None  # [size, hidden_size], the graph's output
 
@@ -88,6 +100,7 @@ class CUDAGraphDecodeRunner:
         max_model_len: int,
         max_num_seqs: int,
         buckets: list[int] | None = None,
+        tail_window: int = 0,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -96,7 +109,8 @@ class CUDAGraphDecodeRunner:
         self.buckets = sorted(buckets) if buckets else batch_buckets(max_num_seqs)
         max_blocks = -(-max_model_len // block_size)
         self._buckets = {
-            size: _Bucket(size, max_blocks, max_model_len, self.device) for size in self.buckets
+            size: _Bucket(size, max_blocks, max_model_len, self.device, tail_window)
+            for size in self.buckets
         }
         self.use_graphs = self.device.type == "cuda"
 
@@ -154,6 +168,17 @@ class CUDAGraphDecodeRunner:
         width = meta.decode_block_tables.shape[1]
         assert width <= bucket.block_tables.shape[1], "a sequence is longer than max_model_len"
         bucket.block_tables[:n, :width].copy_(meta.decode_block_tables)
+        tail = bucket.step.tail
+        if tail is not None:
+            assert meta.tail is not None, "a cache with an exact tail needs the step's tail"
+            step = build_tail_step(
+                meta.tail, n, meta.decode_seq_ids, [], meta.query_start_loc, meta.seq_lens,
+                self.device,
+            )  # fmt: skip
+            for buf, new in ((tail.ring_slots, step.ring_slots),
+                             (tail.sink_slots, step.sink_slots), (tail.decode, step.decode)):  # fmt: skip
+                buf[:n].copy_(new)
+                buf[n:].fill_(-1 if buf.dim() == 1 else 0)
         if bucket.graph is None:  # CPU (or not captured): the same buffers, run eagerly
             bucket.hidden = self._forward(bucket)
         else:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer8.attention import select_backend
+from infer8.attention import select_backend, tail_kernels_available
 from infer8.attention.exact_tail import describe_exact_tail, resolve_exact_tail
 from infer8.config import EngineArgs, ModelConfig, SchedulerConfig
 from infer8.core.kv_cache_manager import cdiv
@@ -75,7 +75,7 @@ class Worker:
             cache_config.kv_cache_exact_tail_tokens,
             cache_config.kv_cache_hadamard,
             is_fp8=kv_dtype in fp8.FP8_DTYPES,
-            is_reference_backend=device.type != "cuda",
+            kernels_read_tail=tail_kernels_available(device),
             has_static_scales=cache_config.kv_scale == "static",
             head_dim=arch.head_dim,
             sink_tokens=cache_config.kv_cache_exact_sink_tokens,
@@ -267,6 +267,7 @@ class Worker:
             self.cache_config.block_size,
             self.max_model_len,
             self.scheduler_config.max_num_seqs,
+            tail_window=self.kv_spec.exact_tail_tokens if self.runner.tail_rows else 0,
         )
         graph_runner.capture()
         self.runner.graph_runner = graph_runner

@@ -10,14 +10,24 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (Linux x86_64 test extra)")
 
-from infer8.attention import triton_paged  # noqa: E402
+from infer8.attention import (  # noqa: E402
+    triton_fp8,
+    triton_kernels,
+    triton_paged,
+    triton_tail,
+)
+from infer8.attention.exact_tail import build_tail_metadata  # noqa: E402
 from infer8.attention.metadata import build_attention_metadata  # noqa: E402
 from infer8.models.loader import load_model  # noqa: E402
 from infer8.worker import cuda_graphs  # noqa: E402
 from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache  # noqa: E402
+from infer8.worker.tail_seats import SinkSlots, TailRows  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA and not triton_paged.is_interpreted():
+    triton_fp8 = importlib.reload(triton_fp8)
+    triton_tail = importlib.reload(triton_tail)
+    triton_kernels = importlib.reload(triton_kernels)
     triton_paged = importlib.reload(triton_paged)
     cuda_graphs = importlib.reload(cuda_graphs)
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -34,20 +44,45 @@ def test_buckets_cover_every_batch_size_up_to_max_num_seqs() -> None:
     assert cuda_graphs.batch_buckets(1) == [1]
 
 
-def _setup(llama_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple:
+def _setup(
+    llama_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype, tail_window: int = 0
+) -> tuple:
     model, _, _ = load_model(str(llama_dir), dtype, DEVICE)
     backend = triton_paged.TritonAttention(DEVICE)
     model.set_attention_backend(backend)
     model.rope_tables(256, DEVICE, dtype)
     cfg = model.config
     spec = KVCacheSpec(
-        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, BLOCK_SIZE, kv_dtype
-    )
-    caches = allocate_kv_cache(spec, 32, DEVICE)
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, BLOCK_SIZE, kv_dtype,
+        tail_window, 4 if tail_window else 0, hadamard=bool(tail_window),
+    )  # fmt: skip
+    caches = allocate_kv_cache(spec, 32, DEVICE, num_tail_rows=4 if tail_window else 0)
     return model, backend, caches
 
 
-def _prefill(model: torch.nn.Module, caches: list, prompts: list[list[int]]) -> list[list[int]]:
+class _Seats:
+    """The model runner's tail seats for requests 0..n-1 (rows, sink slots), in one place."""
+
+    def __init__(self, window: int) -> None:
+        self.window, self.rows, self.sinks = window, TailRows(4), SinkSlots(4)
+
+    def attach(self, meta, q_lens: list[int], computed: list[int], block_ids: list) -> None:  # type: ignore[no-untyped-def]
+        if not self.window:
+            return
+        seats = [self.rows.row_for(str(i), c) for i, c in enumerate(computed)]
+        slots = [
+            self.sinks.slot_for(str(i), b[0], s)
+            for i, (b, (_, s)) in enumerate(zip(block_ids, seats))
+        ]  # noqa: E501
+        meta.tail = build_tail_metadata(
+            self.window, 4, [r for r, _ in seats], [s for _, s in seats], slots, q_lens,
+            computed, meta.decode_seq_ids, meta.decode_block_tables.shape[1] * BLOCK_SIZE, DEVICE,
+        )  # fmt: skip
+
+
+def _prefill(
+    model: torch.nn.Module, caches: list, prompts: list[list[int]], seats: _Seats | None = None
+) -> list[list[int]]:
     """Run the prompts through the model; return each one's blocks (with room to decode)."""
     block_ids, next_block = [], 0
     for p in prompts:
@@ -57,6 +92,8 @@ def _prefill(model: torch.nn.Module, caches: list, prompts: list[list[int]]) -> 
     meta = build_attention_metadata(
         [len(p) for p in prompts], [0] * len(prompts), block_ids, BLOCK_SIZE, DEVICE
     )
+    if seats is not None:
+        seats.attach(meta, [len(p) for p in prompts], [0] * len(prompts), block_ids)
     ids = torch.tensor([t for p in prompts for t in p], device=DEVICE)
     positions = torch.tensor([i for p in prompts for i in range(len(p))], device=DEVICE)
     with torch.inference_mode():
@@ -64,28 +101,50 @@ def _prefill(model: torch.nn.Module, caches: list, prompts: list[list[int]]) -> 
     return block_ids
 
 
-def test_padded_bucket_decode_equals_unpadded_and_writes_nothing_else(llama_dir: Path) -> None:
-    """On CPU the runner replays eagerly, so this checks the buckets' padding, not capture."""
-    model, backend, caches = _setup(llama_dir, torch.float32, torch.float8_e4m3fn)
+def _cache_tensors(caches: list) -> list[torch.Tensor]:
+    out = []
+    for c in caches:
+        out += [c.k, c.v, c.k_scale, c.v_scale, *(c.kv_tail or ())]
+    return out
+
+
+@pytest.mark.parametrize("tail_window", [0, 6], ids=["plain", "exact-tail"])
+def test_padded_bucket_decode_equals_unpadded_and_writes_nothing_else(
+    llama_dir: Path, tail_window: int
+) -> None:
+    """On CPU the runner replays eagerly, so this checks the buckets' padding, not capture.
+
+    With an exact tail the bucket's static tail tables must give what the eager step reads,
+    and its padding rows must enter no ring and no sink slot.
+    """
+    model, backend, caches = _setup(llama_dir, torch.float32, torch.float8_e4m3fn, tail_window)
+    seats = _Seats(tail_window)
     prompts = [[3, 9, 27, 81, 11], list(range(5, 24)), list(range(40, 73))]
-    block_ids = _prefill(model, caches, prompts)
+    block_ids = _prefill(model, caches, prompts, seats)
     lens = [len(p) for p in prompts]
     meta = build_attention_metadata([1, 1, 1], lens, block_ids, BLOCK_SIZE, DEVICE)
+    seats.attach(meta, [1, 1, 1], lens, block_ids)
     ids = torch.tensor([7, 8, 9], device=DEVICE)
     positions = torch.tensor(lens, device=DEVICE)
+    before = [t.clone() for t in _cache_tensors(caches)]
     with torch.inference_mode():
         want = model(ids, positions, meta, caches)
-    before = [(c.k.clone(), c.v.clone(), c.k_scale.clone(), c.v_scale.clone()) for c in caches]
+    after = [t.clone() for t in _cache_tensors(caches)]
+    for t, old in zip(_cache_tensors(caches), before):  # the step again, from the same state
+        t.copy_(old)
 
-    runner = cuda_graphs.CUDAGraphDecodeRunner(model, caches, backend, BLOCK_SIZE, 256, 8)
+    runner = cuda_graphs.CUDAGraphDecodeRunner(
+        model, caches, backend, BLOCK_SIZE, 256, 8, tail_window=tail_window
+    )
     runner.capture()
     assert runner.can_run(meta, 3) and not runner.can_run(meta, 4)  # static-batch padding
     got = runner.run(ids, positions, meta)  # bucket 4: one padding row
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    for cache, old in zip(caches, before):  # same K/V rewritten; padding stored nothing
-        for t, o in zip((cache.k, cache.v, cache.k_scale, cache.v_scale), old):
-            assert torch.equal(t.view(torch.uint8), o.view(torch.uint8))
+    for t, old in zip(_cache_tensors(caches), after):  # what the eager step wrote, no more
+        assert torch.equal(t.view(torch.uint8), old.view(torch.uint8))
+    if tail_window:  # and the step did write ring residuals
+        assert any(not torch.equal(a, b) for a, b in zip(after, before))
 
 
 @pytest.mark.gpu

@@ -25,12 +25,20 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (Linux x86_64 test extra)")
 
-from infer8.attention import triton_paged  # noqa: E402
+from infer8.attention import (  # noqa: E402
+    triton_fp8,
+    triton_kernels,
+    triton_paged,
+    triton_tail,
+)
 from infer8.attention.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
 from infer8.attention.torch_ref import TorchRefAttention  # noqa: E402
 from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache  # noqa: E402
 
 if not HAS_CUDA and not triton_paged.is_interpreted():
+    triton_fp8 = importlib.reload(triton_fp8)
+    triton_tail = importlib.reload(triton_tail)
+    triton_kernels = importlib.reload(triton_kernels)
     triton_paged = importlib.reload(triton_paged)
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")

@@ -130,6 +130,9 @@ def test_backend_selection_refuses_what_no_backend_runs_at_start_up() -> None:
         select_backend(cuda, _spec(torch.bfloat16), capability=(7, 5))
     cpu_backend = select_backend(torch.device("cpu"), _spec(torch.float8_e4m3fn))
     assert type(cpu_backend).__name__ == "TorchRefAttention"
+    # Ampere has no E4M3 for the tail's residuals: a tail there falls back to the reference
+    ampere_tail = select_backend(cuda, _spec(torch.float8_e5m2, tail=8), capability=(8, 0))
+    assert type(ampere_tail).__name__ == "TorchRefAttention"
 
 
 def test_the_profiled_step_runs_the_largest_batch_the_scheduler_can_hand_out(

@@ -21,6 +21,7 @@ from infer8.attention.exact_tail import (
 from infer8.plan import (
     DEVICE_PRESETS,
     PlanInputs,
+    exact_tail_bytes,
     format_plan,
     load_model_shape,
     plan_capacity,
@@ -117,10 +118,16 @@ def test_seats_are_reused_and_a_resumed_request_starts_a_new_exact_range() -> No
     assert rows.row_for("c", 16) == (0, 16)
 
 
-def test_auto_turns_the_tail_on_only_for_fp8_on_the_reference_backend() -> None:
+def test_auto_turns_the_tail_on_only_for_fp8_where_the_kernels_read_it() -> None:
+    from infer8.attention import tail_kernels_available
+
+    cuda = torch.device("cuda")
+    assert tail_kernels_available(torch.device("cpu"))
+    assert tail_kernels_available(cuda, (9, 0)) and tail_kernels_available(cuda, (8, 9))
+    assert not tail_kernels_available(cuda, (8, 0))  # Ampere: no E4M3 for the residuals
     default = ExactTailConfig(DEFAULT_EXACT_TAIL_TOKENS, DEFAULT_EXACT_SINK_TOKENS, True)
     assert resolve_exact_tail(None, None, True, True, False, 64) == default
-    assert resolve_exact_tail(None, None, True, False, False, 64) == ExactTailConfig()  # Triton
+    assert resolve_exact_tail(None, None, True, False, False, 64) == ExactTailConfig()  # sm_80
     assert resolve_exact_tail(8, True, False, True, False, 64) == ExactTailConfig()  # bf16
     static = resolve_exact_tail(None, None, True, True, True, 64)
     assert static == ExactTailConfig(DEFAULT_EXACT_TAIL_TOKENS, DEFAULT_EXACT_SINK_TOKENS)
@@ -158,8 +165,11 @@ def test_plan_counts_the_tail_rings() -> None:
         model=load_model_shape("smollm2-135m"),
         device=DEVICE_PRESETS["h100-80gb"],
         kv_cache_dtype="fp8_e4m3",
+        kv_cache_exact_tail_tokens=0,
     )
-    with_tail = dataclasses.replace(base, kv_cache_exact_tail_tokens=16)
+    with_tail = dataclasses.replace(
+        base, kv_cache_exact_tail_tokens=16, kv_cache_exact_sink_tokens=0
+    )
     a, b = plan_capacity(base), plan_capacity(with_tail)
     store_tokens = 256 * 15
     lost_tokens = a.max_kv_tokens - b.max_kv_tokens
@@ -173,3 +183,13 @@ def test_plan_counts_the_tail_rings() -> None:
     )
     assert "256 seats x (16 - 1 + 4) FP8 residual tokens" in format_plan(plan_capacity(sinks))
     assert "exact tail" not in format_plan(a)
+    # auto is the engine's: a tail on GPUs with E4M3 (the Triton kernels read it), none on A100s
+    auto = dataclasses.replace(
+        base, kv_cache_exact_tail_tokens=None, kv_cache_exact_sink_tokens=None
+    )
+    assert (auto.kv_cache_exact_tail_tokens, auto.kv_cache_exact_sink_tokens) == (24, 4)
+    a100 = dataclasses.replace(
+        auto, device=DEVICE_PRESETS["a100-80gb"], kv_cache_dtype="fp8_e5m2",
+        kv_cache_exact_tail_tokens=None, kv_cache_exact_sink_tokens=None,
+    )  # fmt: skip
+    assert a100.kv_cache_exact_tail_tokens == 0 and exact_tail_bytes(a100) == 0

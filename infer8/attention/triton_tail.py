@@ -1,0 +1,405 @@
+"""The FP8 cache's exact tail in the Triton kernels (exact_tail.py describes the tail itself).
+
+A step on the CUDA backend does, per layer:
+1. `tail_residuals`: one program per new token recomputes its FP8 block value (the same
+   quantization the cache write just did), stores the E4M3 residual and its scale in a step
+   buffer ([tokens, 2 * kvh, d], K's heads then V's) and, for tokens that are sinks, in the
+   store too (before attention: a request may hit a first block computed in the same step);
+2. the attention kernels read, for each key position j their query a reads exactly, block
+   value + residual: the residual from the step buffer (j in this step's tokens), the ring
+   (j in [lo, first new position)) or the sink slot (j < lo); the scores get q.r and the
+   output p.r, both as extra tile products only in tiles that hold an exact position;
+3. `write_ring`: the tokens that enter a ring are copied from the step buffer (after
+   attention: a long chunk overwrites ring positions its first queries still read).
+
+Query a reads position j exactly iff j has a residual (j >= lo or j < the sinks) and j is in
+its window (j > a - W) or a sink. Every index is a per-token or per-sequence tensor of fixed
+shape, so a CUDA-graph bucket holds them in static buffers (cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from infer8.attention.exact_tail import RESIDUAL_DTYPE, TailMetadata
+from infer8.attention.triton_fp8 import (
+    X_MODES,
+    grid_constants,
+    quantize_rows,
+    rotate_rows,
+    round_to_model,
+)
+from infer8.quant import fp8
+from infer8.worker.kv_cache import LayerKVCache
+
+# Columns of the per-sequence tail table the attention kernels read.
+LO, NUM_SINKS, RING_ROW, SINK_ROW = 0, 1, 2, 3
+
+
+@dataclass
+class TritonTailStep:
+    """This step's tail indices as the kernels read them (static buffers under CUDA graphs)."""
+
+    window: int  # W
+    ring: int  # W - 1 ring positions per row
+    ring_slots: torch.Tensor  # [tokens] int64: store slot a token enters after attention, or -1
+    sink_slots: torch.Tensor  # [tokens] int64: store slot of a sink token, or -1
+    decode: torch.Tensor  # [num_decode, 4] int32: lo, sinks, ring row, sink row
+    prefill: torch.Tensor  # [num_prefill, 4] int32
+
+
+def build_tail_step(
+    tail: TailMetadata, num_tokens: int, decode_ids: list[int], prefill_ids: list[int],
+    query_start_loc: list[int], seq_lens: list[int], device: torch.device,
+) -> TritonTailStep:  # fmt: skip
+    """Return the kernels' view of a step's TailMetadata (its slot lists, as per-token tables)."""
+    ring_slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    ring_slots[tail.write_token_ids] = tail.write_slots
+    sink_slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    sink_slots[tail.sink_write_token_ids] = tail.sink_write_slots
+    ring = tail.ring_size
+
+    def table(ids: list[int]) -> torch.Tensor:
+        rows = []
+        for i in ids:
+            s0 = seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i])
+            lo = max(tail.exact_starts[i], s0 - ring)
+            rows.append([lo, tail.num_sinks[i], tail.rows[i], max(tail.sink_rows[i], 0)])
+        return torch.tensor(rows, dtype=torch.int32, device=device).view(len(ids), 4)
+
+    return TritonTailStep(
+        tail.window, ring, ring_slots, sink_slots, table(decode_ids), table(prefill_ids)
+    )
+
+
+# -- what the attention kernels call ----------------------------------------------------------
+
+
+@triton.jit
+def tail_exact(offs_n, mask_n, positions, lo, num_sinks, window):
+    """Return which (query, key) pairs of a tile read the key exactly: [len(positions), BLOCK_N].
+
+    Also returns, per key, whether it has a residual at all (for load_residual).
+    """
+    has_res = mask_n & ((offs_n >= lo) | (offs_n < num_sinks))
+    in_window = offs_n[None, :] > positions[:, None] - window
+    return has_res[None, :] & (in_window | (offs_n < num_sinks)[None, :]), has_res
+
+
+@triton.jit
+def tile_has_tail(n0, lo, num_sinks, min_position, window, BLOCK_N: tl.constexpr):
+    """Return whether keys [n0, n0 + BLOCK_N) hold an exact position for a query >= min_position."""
+    last = n0 + BLOCK_N - 1
+    return (n0 < num_sinks) | ((last >= lo) & (last > min_position - window))
+
+
+@triton.jit
+def load_residual(
+    store_ptr,
+    store_scale_ptr,
+    new_ptr,
+    new_scale_ptr,
+    offs_n,
+    offs_d,
+    mask_d,
+    has_res,
+    s0,
+    lo,
+    ring,
+    ring_mod,
+    ring_row,
+    sink_row,
+    new_row0,
+    row_width,
+    head_dim,
+    num_res_heads,
+    DOT_DTYPE: tl.constexpr,
+):
+    """Gather the residuals of keys offs_n for one head: [BLOCK_N, BLOCK_D] and scales [BLOCK_N].
+
+    Pointers are offset to the head already. Keys without a residual give zeros (scale 0).
+    From this step's buffer (j >= s0, row new_row0 + j - s0), the ring (lo <= j < s0, offset
+    j % ring of ring_row; ring_mod = max(ring, 1)) or the sink slot (j < lo, offset ring + j
+    of sink_row).
+    """
+    is_new = has_res & (offs_n >= s0)
+    in_store = has_res & (offs_n < s0)
+    slot = tl.where(
+        offs_n >= lo,
+        ring_row * row_width + offs_n % ring_mod,
+        sink_row * row_width + ring + offs_n,
+    ).to(tl.int64)
+    new_row = (new_row0 + offs_n - s0).to(tl.int64)
+    mask_store = in_store[:, None] & mask_d[None, :]
+    mask_new = is_new[:, None] & mask_d[None, :]
+    stored = tl.load(
+        store_ptr + slot[:, None] * head_dim + offs_d[None, :], mask=mask_store, other=0.0
+    )
+    fresh = tl.load(
+        new_ptr + new_row[:, None] * (num_res_heads * head_dim) + offs_d[None, :],
+        mask=mask_new,
+        other=0.0,
+    )
+    tile = tl.where(mask_new, fresh.to(tl.float32), stored.to(tl.float32)).to(DOT_DTYPE)
+    scale = tl.load(store_scale_ptr + slot, mask=in_store, other=0.0).to(tl.float32)
+    scale += tl.load(new_scale_ptr + new_row * num_res_heads, mask=is_new, other=0.0).to(tl.float32)
+    return tile, scale
+
+
+# -- the step's residuals and the ring --------------------------------------------------------
+
+
+@triton.jit
+def _residual_rows(
+    x,
+    static_ptr,
+    static_off,
+    mask,
+    fp8_max,
+    scale_factor,
+    res_factor,
+    min_scale,
+    SCALE_MODE: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    MAGIC: tl.constexpr,
+    X_MODE: tl.constexpr,
+):
+    """Return rows x's residual over their FP8 block value: E4M3 grid values and scales."""
+    static = x
+    if SCALE_MODE == 2:
+        static = tl.load(static_ptr + static_off, mask=mask, other=1.0)
+    xq, scale, _ = quantize_rows(
+        x, static, mask, fp8_max, scale_factor, min_scale, SCALE_MODE, MANT_BITS, MIN_NORMAL, MAGIC
+    )
+    if SCALE_MODE == 2:
+        block = round_to_model(xq * round_to_model(static, X_MODE), X_MODE)
+    else:
+        block = round_to_model(xq * round_to_model(scale, X_MODE)[:, None], X_MODE)
+    r = tl.where(mask, x - block, 0.0)
+    res, res_scale, _ = quantize_rows(
+        r, r, mask, 448.0, res_factor, min_scale, 1, 3, 2.0**-6, 1.5 * 2.0 ** (23 - 9)
+    )
+    return res, res_scale
+
+
+@triton.jit
+def _token_residual(
+    x_ptr,
+    stride_h,
+    static_ptr,
+    static_off,
+    rot_ptr,
+    head0,
+    t,
+    sink_slot,
+    new_ptr,
+    new_scale_ptr,
+    store_ptr,
+    store_scale_ptr,
+    store_stride_h,
+    store_scale_stride_h,
+    num_kv_heads,
+    head_dim,
+    fp8_max,
+    scale_factor,
+    res_factor,
+    min_scale,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    MAGIC: tl.constexpr,
+    ROTATE: tl.constexpr,
+    X_MODE: tl.constexpr,
+):
+    """Store one token's K (head0 0) or V (head0 kvh) residuals in the step buffer and sink."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < num_kv_heads
+    mask = mask_h[:, None] & (offs_d[None, :] < head_dim)
+    x = tl.load(x_ptr + offs_h[:, None] * stride_h + offs_d[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if ROTATE:
+        x = round_to_model(rotate_rows(x, rot_ptr, head_dim, BLOCK_D), X_MODE)
+    res, res_scale = _residual_rows(
+        x, static_ptr, static_off, mask, fp8_max, scale_factor, res_factor, min_scale,
+        SCALE_MODE, MANT_BITS, MIN_NORMAL, MAGIC, X_MODE,
+    )  # fmt: skip
+    heads = head0 + offs_h  # the residual heads: K's, then V's
+    res = res.to(new_ptr.dtype.element_ty)
+    res_scale = res_scale.to(new_scale_ptr.dtype.element_ty)
+    row = t * 2 * num_kv_heads + heads
+    tl.store(new_ptr + row[:, None] * head_dim + offs_d[None, :], res, mask=mask)
+    tl.store(new_scale_ptr + row, res_scale, mask=mask_h)
+    if sink_slot >= 0:
+        store_off = heads[:, None] * store_stride_h + sink_slot * head_dim + offs_d[None, :]
+        tl.store(store_ptr + store_off, res, mask=mask)
+        tl.store(store_scale_ptr + heads * store_scale_stride_h + sink_slot, res_scale, mask=mask_h)
+
+
+@triton.jit
+def _tail_residual_kernel(
+    k_ptr,
+    v_ptr,
+    k_static_ptr,
+    v_static_ptr,
+    rot_ptr,
+    sink_slot_ptr,
+    new_ptr,
+    new_scale_ptr,
+    store_ptr,
+    store_scale_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_static_h,
+    stride_static_d,
+    store_stride_h,
+    store_scale_stride_h,
+    num_kv_heads,
+    head_dim,
+    fp8_max,
+    scale_factor,
+    res_factor,
+    min_scale,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    MAGIC: tl.constexpr,
+    ROTATE: tl.constexpr,
+    X_MODE: tl.constexpr,
+):
+    """One token: its K and V residuals into the step buffer, and into its sink slot if any."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    static_off = offs_h[:, None] * stride_static_h + offs_d[None, :] * stride_static_d
+    sink_slot = tl.load(sink_slot_ptr + t)
+    _token_residual(
+        k_ptr + t * stride_kt, stride_kh, k_static_ptr, static_off, rot_ptr, 0, t, sink_slot,
+        new_ptr, new_scale_ptr, store_ptr, store_scale_ptr, store_stride_h,
+        store_scale_stride_h, num_kv_heads, head_dim, fp8_max, scale_factor, res_factor,
+        min_scale, BLOCK_H, BLOCK_D, SCALE_MODE, MANT_BITS, MIN_NORMAL, MAGIC, ROTATE, X_MODE,
+    )  # fmt: skip
+    _token_residual(
+        v_ptr + t * stride_vt, stride_vh, v_static_ptr, static_off, rot_ptr, num_kv_heads, t,
+        sink_slot, new_ptr, new_scale_ptr, store_ptr, store_scale_ptr, store_stride_h,
+        store_scale_stride_h, num_kv_heads, head_dim, fp8_max, scale_factor, res_factor,
+        min_scale, BLOCK_H, BLOCK_D, SCALE_MODE, MANT_BITS, MIN_NORMAL, MAGIC, ROTATE, X_MODE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _ring_write_kernel(
+    ring_slot_ptr,
+    new_ptr,
+    new_scale_ptr,
+    store_ptr,
+    store_scale_ptr,
+    store_stride_h,
+    store_scale_stride_h,
+    num_res_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One token: copy its residuals (all heads) from the step buffer into its ring slot."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(ring_slot_ptr + t)
+    if slot >= 0:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_h = offs_h < num_res_heads
+        mask = mask_h[:, None] & (offs_d[None, :] < head_dim)
+        row = t * num_res_heads + offs_h
+        res = tl.load(new_ptr + row[:, None] * head_dim + offs_d[None, :], mask=mask)
+        tl.store(
+            store_ptr + offs_h[:, None] * store_stride_h + slot * head_dim + offs_d[None, :],
+            res,
+            mask=mask,
+        )
+        scale = tl.load(new_scale_ptr + row, mask=mask_h)
+        tl.store(store_scale_ptr + offs_h * store_scale_stride_h + slot, scale, mask=mask_h)
+
+
+def tail_residuals(
+    cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, step: TritonTailStep
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return this step's residuals ([tokens, 2 * kvh, d] E4M3, [tokens, 2 * kvh] scales) and
+    store the sinks' in their slots. k, v: [tokens, kvh, d], unrotated (rotated here if the
+    cache rotates keys)."""
+    assert cache.kv_tail is not None and cache.k_scale is not None
+    store, store_scale = cache.kv_tail
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and store.is_contiguous()
+    new = torch.empty((num_tokens, 2 * num_kv_heads, head_dim), dtype=RESIDUAL_DTYPE,
+                      device=k.device)  # fmt: skip
+    new_scale = torch.empty((num_tokens, 2 * num_kv_heads), dtype=store_scale.dtype,
+                            device=k.device)  # fmt: skip
+    if num_tokens == 0:
+        return new, new_scale
+    static = cache.k_static_scale is not None
+    k_static = cache.k_static_scale.float().contiguous() if static else k  # type: ignore[union-attr]
+    v_static = cache.v_static_scale.float().contiguous() if static else v  # type: ignore[union-attr]
+    static_strides = (0, 0)
+    if static:
+        static_strides = tuple(
+            0 if n == 1 else st for n, st in zip(k_static.shape, k_static.stride())
+        )  # type: ignore[assignment]  # noqa: E501
+    fmax = fp8.fp8_max(cache.k.dtype)
+    mant_bits, min_normal, magic = grid_constants(cache.k.dtype)
+    rotation = cache.k_rotation
+    _tail_residual_kernel[(num_tokens,)](
+        k, v, k_static, v_static, rotation if rotation is not None else k, step.sink_slots,
+        new, new_scale, store, store_scale,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *static_strides,
+        store.stride(0), store_scale.stride(0), num_kv_heads, head_dim,
+        fmax, fp8.SCALE_ROUND_UP / fmax, fp8.SCALE_ROUND_UP / fp8.fp8_max(RESIDUAL_DTYPE),
+        fp8._MIN_SCALE,
+        BLOCK_H=max(16, triton.next_power_of_2(num_kv_heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        SCALE_MODE=2 if static else 1,
+        MANT_BITS=mant_bits,
+        MIN_NORMAL=min_normal,
+        MAGIC=magic,
+        ROTATE=rotation is not None,
+        X_MODE=X_MODES[k.dtype],
+    )  # fmt: skip
+    return new, new_scale
+
+
+def write_ring(
+    cache: LayerKVCache, new: tuple[torch.Tensor, torch.Tensor], step: TritonTailStep
+) -> None:
+    """Copy the residuals of the tokens that enter a ring into their slots (after attention)."""
+    assert cache.kv_tail is not None
+    store, store_scale = cache.kv_tail
+    num_tokens, num_res_heads, head_dim = new[0].shape
+    if num_tokens == 0:
+        return
+    _ring_write_kernel[(num_tokens,)](
+        step.ring_slots, new[0], new[1], store, store_scale,
+        store.stride(0), store_scale.stride(0), num_res_heads, head_dim,
+        BLOCK_H=triton.next_power_of_2(num_res_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+__all__ = [
+    "TritonTailStep",
+    "build_tail_step",
+    "load_residual",
+    "tail_exact",
+    "tail_residuals",
+    "tile_has_tail",
+    "write_ring",
+]
