@@ -2,9 +2,12 @@
 
     python benchmarks/kv_step_ab.py auto:0 fp8_e4m3:0 fp8_e4m3:24          # decode, batch 32
     python benchmarks/kv_step_ab.py --prefill-tokens 2048 auto:0 fp8_e4m3:24
+    python benchmarks/kv_step_ab.py auto:0:gather auto:0 fp8_e4m3:24:gather fp8_e4m3:24
 
-Each configuration is KV_DTYPE:TAIL_TOKENS (`--kv-cache-exact-tail-tokens`; ignored for 16/32-bit
-caches); sinks and rotation stay on auto. Decode: every engine holds 32 running requests of a
+Each configuration is KV_DTYPE:TAIL_TOKENS[:gather] (`--kv-cache-exact-tail-tokens`; ignored for
+16/32-bit caches); sinks and rotation stay on auto. `gather` turns off the fused native decode
+attention (csrc/decode_attention.c) for that engine: blocks gathered into a buffer, then
+batched matmuls, as before it. Decode: every engine holds 32 running requests of a
 128-token prompt; the engines take one step each in turn, 40 times, and the median step is
 printed with its ratio to the first configuration's. Prefill: each engine prefills one prompt
 of N tokens in turn, 3 times; medians. float32 compute, the default model.
@@ -22,8 +25,8 @@ from infer8.sampling_params import SamplingParams
 
 
 def _engine(config: str, max_num_seqs: int) -> LLMEngine:
-    kv, tail = config.split(":")
-    return LLMEngine(
+    kv, tail, *how = config.split(":")
+    engine = LLMEngine(
         EngineArgs(
             dtype="float32",
             kv_cache_dtype=kv,
@@ -33,6 +36,10 @@ def _engine(config: str, max_num_seqs: int) -> LLMEngine:
             enable_prefix_caching=False,
         )
     )
+    if how == ["gather"]:
+        native = engine.executor.driver_worker.attn_backend._native  # type: ignore[attr-defined]
+        native.decode_supported = lambda *args: False  # this engine's instance only
+    return engine
 
 
 def decode(configs: list[str], steps: int = 40) -> list[float]:
@@ -73,7 +80,7 @@ def prefill(configs: list[str], num_tokens: int, rounds: int = 3) -> list[float]
 def main() -> None:
     """Print one line per configuration."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("configs", nargs="+", help="KV_DTYPE:TAIL_TOKENS")
+    parser.add_argument("configs", nargs="+", help="KV_DTYPE:TAIL_TOKENS[:gather]")
     parser.add_argument("--prefill-tokens", type=int, default=0, help="time prefill instead")
     ns = parser.parse_args()
     if ns.prefill_tokens:

@@ -16,14 +16,20 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from infer8.worker.kv_cache import LayerKVCache
 
 from infer8.quant import fp8
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "fp8_gather.c"
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCES = (_CSRC / "fp8_gather.c", _CSRC / "decode_attention.c")
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -35,7 +41,7 @@ def _cache_dir() -> Path:
 
 def build_library(out_dir: Path | None = None) -> Path:
     """Compile the kernel (once per source version and host) and return the .so path."""
-    source = _SOURCE.read_bytes()
+    source = b"".join(src.read_bytes() for src in _SOURCES)
     tag = hashlib.sha256(source + os.uname().machine.encode()).hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
     lib = out_dir / f"fp8_gather-{tag}.so"
@@ -56,11 +62,13 @@ def build_library(out_dir: Path | None = None) -> Path:
             "-fPIC",
             "-o",
             str(tmp_lib),
-            str(_SOURCE),
+            *map(str, _SOURCES),
         ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"compiling {_SOURCE.name} failed: {result.stderr.strip()[:500]}")
+            raise RuntimeError(
+                f"compiling the native kernels failed: {result.stderr.strip()[:500]}"
+            )
         os.replace(tmp_lib, lib)  # atomic: concurrent builders end with one good file
     return lib
 
@@ -89,6 +97,11 @@ class NativeFP8Gather:
                           p, p]  # fmt: skip
         write.restype = None
         self._write = write
+        decode = lib.infer8_decode_attention
+        decode.argtypes = [p, p, p, p, p, ctypes.c_int, p, i64, p, i64, i64, i64, i64, i64, i64,
+                           ctypes.c_float, ctypes.c_int, p, p, p, p, p, p, i64, i64, p]  # fmt: skip
+        decode.restype = None
+        self._decode = decode
         self._ones: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -224,3 +237,57 @@ class NativeFP8Gather:
             cache_t.data_ptr(),
             scale_t.data_ptr(),
         )
+
+    @staticmethod
+    def decode_supported(cache: LayerKVCache, dtype: torch.dtype) -> bool:
+        """Return whether decode_attention runs this cache (no static scales) and dtype."""
+        return (
+            cache.k.dtype in _KINDS
+            and cache.k_static_scale is None
+            and dtype in (torch.float32, torch.bfloat16)
+            and cache.k.shape[-1] % 8 == 0
+            and cache.k.device.type == "cpu"
+        )
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        tail: tuple[torch.Tensor, ...] | None = None,
+    ) -> torch.Tensor:
+        """Attend one query per sequence over its cached context; return [B, heads, d].
+
+        q: [B, heads, d] (float32 or bf16); block_table: [B, blocks] int64; seq_lens: [B] int64.
+        tail: (new_k, new_v [B, kvh, d], res_k, res_v [kvh, rows, d] with sequence b's W
+        residuals at rows b * W.., pos [B, W] int64, valid [B, W] float32): the exact tail as
+        TorchRefAttention._decode applies it.
+        """
+        assert self.decode_supported(cache, q.dtype) and cache.k.is_contiguous()
+        b, num_heads, head_dim = q.shape
+        num_kv_heads, num_blocks, block_size, _ = cache.k.shape
+        q = q.contiguous()
+        table = block_table.contiguous()
+        lens = seq_lens.contiguous()
+        assert table.dtype == torch.int64 and lens.dtype == torch.int64
+        out = torch.empty_like(q)
+        parts = [None] * 6 if tail is None else [t.contiguous() for t in tail]
+        for t in parts[:4]:
+            assert t is None or t.dtype == q.dtype
+        width = 0 if tail is None else parts[4].shape[1]  # type: ignore[union-attr]
+        res_rows = 0 if tail is None else parts[2].shape[1]  # type: ignore[union-attr]
+        fp8_cache = cache.k_scale is not None
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        self._decode(
+            q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
+            ptr(cache.k_scale) if fp8_cache else None, ptr(cache.v_scale) if fp8_cache else None,
+            _KINDS[cache.k.dtype], table.data_ptr(), table.shape[1], lens.data_ptr(), b,
+            num_kv_heads, num_heads // num_kv_heads, num_blocks, block_size, head_dim, scale,
+            int(q.dtype == torch.float32), *map(ptr, parts), width, res_rows, out.data_ptr(),
+        )  # fmt: skip
+        return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -202,6 +203,8 @@ class TorchRefAttention:
         single-token queries by several times.
         """
         table = meta.decode_block_tables
+        if self._native is not None and self._native.decode_supported(cache, q.dtype):
+            return self._native_decode(q, cache, meta, scale, new_kv, residuals)
         k = self._read(cache.k, cache.k_scale, cache.k_static_scale, table, q.dtype, "k")
         v = self._read(cache.v, cache.v_scale, cache.v_static_scale, table, q.dtype, "v")
         tail = meta.tail
@@ -245,6 +248,28 @@ class TorchRefAttention:
             .reshape(b, num_heads, head_dim)
         )
 
+    def _native_decode(
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None,
+        residuals: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """_decode in one native pass per (sequence, KV head): blocks read in place."""
+        assert self._native is not None
+        lens = torch.tensor([meta.seq_lens[i] for i in meta.decode_seq_ids], dtype=torch.int64)
+        tail_args = None
+        if new_kv is not None:
+            tail = meta.tail
+            assert tail is not None and residuals is not None
+            # residuals: [kvh, rows read * stride, d], the decode sequences' rows first
+            tail_args = (*new_kv, *residuals, tail.decode_pos, tail.decode_valid)
+        return self._native.decode_attention(
+            q, cache, meta.decode_block_tables, lens, scale, tail_args
+        )
+
     def forward(
         self,
         q: torch.Tensor,
@@ -268,6 +293,8 @@ class TorchRefAttention:
                 k_new = exact_tail.rotate(k_new, cache.k_rotation)
             if v_new is not None and cache.rotate_values:
                 v_new = exact_tail.rotate(v_new, cache.k_rotation)
+        if meta.tail is not None and cache.kv_tail is None:  # a cache without a tail store
+            meta = dataclasses.replace(meta, tail=None)
         if meta.tail is None:
             out = self._attend(q, cache, meta, scale, None)
         else:
