@@ -28,7 +28,10 @@ from infer8.quant import fp8
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = (_CSRC / "fp8_gather.c", _CSRC / "decode_attention.c")
+_SOURCES = (_CSRC / "fp8_gather.c", _CSRC / "decode_attention.c", _CSRC / "hadamard.c")
+# -fno-trapping-math: no FP exception is ever observed, so branch-free selects vectorize (the
+# values are IEEE's either way; no -ffast-math, which would change them)
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -42,7 +45,8 @@ def _cache_dir() -> Path:
 def build_library(out_dir: Path | None = None) -> Path:
     """Compile the kernel (once per source version and host) and return the .so path."""
     source = b"".join(src.read_bytes() for src in _SOURCES)
-    tag = hashlib.sha256(source + os.uname().machine.encode()).hexdigest()[:16]
+    tag = hashlib.sha256(source + os.uname().machine.encode() + " ".join(_FLAGS).encode())
+    tag = tag.hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
     lib = out_dir / f"fp8_gather-{tag}.so"
     if lib.is_file():
@@ -55,9 +59,7 @@ def build_library(out_dir: Path | None = None) -> Path:
         tmp_lib = Path(tmp) / lib.name
         cmd = [
             cc,
-            "-O3",
-            "-march=native",
-            "-fopenmp",
+            *_FLAGS,
             "-shared",
             "-fPIC",
             "-o",
@@ -102,6 +104,10 @@ class NativeFP8Gather:
                            ctypes.c_float, ctypes.c_int, p, p, p, p, p, p, i64, i64, p]  # fmt: skip
         decode.restype = None
         self._decode = decode
+        hadamard = lib.infer8_hadamard_rows
+        hadamard.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_int, p]
+        hadamard.restype = None
+        self._hadamard = hadamard
         self._ones: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -289,5 +295,21 @@ class NativeFP8Gather:
             _KINDS[cache.k.dtype], table.data_ptr(), table.shape[1], lens.data_ptr(), b,
             num_kv_heads, num_heads // num_kv_heads, num_blocks, block_size, head_dim, scale,
             int(q.dtype == torch.float32), *map(ptr, parts), width, res_rows, out.data_ptr(),
+        )  # fmt: skip
+        return out
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Return x [n, heads, d] times the orthonormal Hadamard matrix (exact_tail.rotate).
+
+        The fast Walsh-Hadamard transform in float32, in x's dtype (bf16 or float32); rows may
+        be strided (a view of a fused projection), the result is contiguous.
+        """
+        n, heads, d = x.shape
+        assert x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+        assert x.stride(-1) == 1 and d & (d - 1) == 0 and d <= 1024
+        out = torch.empty((n, heads, d), dtype=x.dtype)
+        self._hadamard(
+            x.data_ptr(), n, heads, d, x.stride(0), x.stride(1), int(x.dtype == torch.float32),
+            out.data_ptr(),
         )  # fmt: skip
         return out

@@ -110,25 +110,31 @@ void infer8_gather_blocks(const uint8_t* cache, const int64_t* block_ids, int64_
 // smallest normal are rounded by adding a power of two that puts the FP8 subnormal grid on
 // float32's last mantissa bits; normal values by adding half an FP8 ulp (minus one, plus the
 // kept bit's oddness: ties to even) and truncating.
+// x clamped to [-m, m] with plain comparisons (fminf/fmaxf's NaN rules keep loops scalar);
+// inputs are finite.
+static inline float clampf(float x, float m) {
+    x = x < -m ? -m : x;
+    return x > m ? m : x;
+}
+
 static inline uint8_t float_to_fp8(float f, int is_e5m2) {
+    // Branch-free (every case computed, one selected) so loops over a row vectorize; callers
+    // pass a constant is_e5m2 through their specialized loops.
     const int mant = is_e5m2 ? 2 : 3, bias = is_e5m2 ? 15 : 7;
     const uint32_t max_bits = is_e5m2 ? 0x476FFFFFu : 0x43EFFFFFu;  // below 61440 / 480
+    const uint32_t max_code = is_e5m2 ? 0x7Bu : 0x7Eu;  // the largest finite value
     uint32_t b = float_to_bits(f);
     const uint32_t sign = b & 0x80000000u;
     b ^= sign;
-    uint8_t r;
-    if (b > max_bits) {
-        r = is_e5m2 ? 0x7B : 0x7E;  // the largest finite value
-    } else if (b < (uint32_t)(127 - bias + 1) << 23) {
-        const uint32_t magic = (uint32_t)(127 - bias + 23 - mant + 1) << 23;
-        r = (uint8_t)(float_to_bits(bits_to_float(b) + bits_to_float(magic)) - magic);
-    } else {
-        const int shift = 23 - mant;
-        const uint32_t odd = (b >> shift) & 1u;
-        b += ((uint32_t)(bias - 127) << 23) + ((1u << (shift - 1)) - 1u) + odd;
-        r = (uint8_t)(b >> shift);
-    }
-    return r | (uint8_t)(sign >> 24);
+    const uint32_t magic = (uint32_t)(127 - bias + 23 - mant + 1) << 23;
+    const uint32_t sub = float_to_bits(bits_to_float(b) + bits_to_float(magic)) - magic;
+    const int shift = 23 - mant;
+    const uint32_t odd = (b >> shift) & 1u;
+    const uint32_t nor =
+        (b + ((uint32_t)(bias - 127) << 23) + ((1u << (shift - 1)) - 1u) + odd) >> shift;
+    const uint32_t smallest_normal = (uint32_t)(127 - bias + 1) << 23;
+    const uint32_t r = b > max_bits ? max_code : (b < smallest_normal ? sub : nor);
+    return (uint8_t)((r & 0xFFu) | (sign >> 24));
 }
 
 static inline float bf16_value(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
@@ -161,22 +167,21 @@ void infer8_tail_residual(const void* x, int64_t rows, int64_t d, int x_f32, int
             v[j] = x_f32 ? ((const float*)x)[r * d + j] : bf16_value(((const uint16_t*)x)[r * d + j]);
         }
         float amax = 0.0f;
-        for (int64_t j = 0; j < d; j++) amax = fmaxf(amax, fabsf(v[j]));
+        for (int64_t j = 0; j < d; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
         const float s1 = bf16_value(dynamic_scale(amax, block_per_amax));
         float ramax = 0.0f;
         for (int64_t j = 0; j < d; j++) {
-            float y = fminf(fmaxf(v[j] / s1, -block_max), block_max);
-            uint8_t q = float_to_fp8(y, block_is_e5m2);
-            float deq = block_is_e5m2 ? e5m2_value(q) : e4m3_value(q);
+            float y = clampf(v[j] / s1, block_max);
+            float deq = block_is_e5m2 ? e5m2_value(float_to_fp8(y, 1)) : e4m3_value(float_to_fp8(y, 0));
             xb[j] = to_dtype(deq * s1, x_f32);
-            ramax = fmaxf(ramax, fabsf(v[j] - xb[j]));
+            float r = fabsf(v[j] - xb[j]);
+            ramax = r > ramax ? r : ramax;
         }
         const uint16_t s2_bits = dynamic_scale(ramax, e4m3_per_amax);
         const float s2 = bf16_value(s2_bits);
         res_scale[r] = s2_bits;
         for (int64_t j = 0; j < d; j++) {
-            float y = fminf(fmaxf((v[j] - xb[j]) / s2, -448.0f), 448.0f);
-            uint8_t q = float_to_fp8(y, 0);
+            uint8_t q = float_to_fp8(clampf((v[j] - xb[j]) / s2, 448.0f), 0);
             res_q[r * d + j] = q;
             float out = to_dtype(xb[j] + to_dtype(e4m3_value(q) * s2, x_f32), x_f32);
             if (x_f32) {
@@ -205,15 +210,17 @@ void infer8_write_fp8(const void* x, int64_t num_tokens, int64_t num_kv_heads, i
             float amax = 0.0f;
             for (int64_t j = 0; j < d; j++) {
                 v[j] = x_f32 ? ((const float*)x)[r * d + j] : bf16_value(((const uint16_t*)x)[r * d + j]);
-                amax = fmaxf(amax, fabsf(v[j]));
+                amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
             }
             const uint16_t s_bits = dynamic_scale(amax, per_amax);
             const float s = bf16_value(s_bits);
             const int64_t slot = h * num_slots + slot_mapping[t];
             scales[slot] = s_bits;
             uint8_t* out = cache + slot * d;
-            for (int64_t j = 0; j < d; j++) {
-                out[j] = float_to_fp8(fminf(fmaxf(v[j] / s, -fmax), fmax), is_e5m2);
+            if (is_e5m2) {
+                for (int64_t j = 0; j < d; j++) out[j] = float_to_fp8(clampf(v[j] / s, fmax), 1);
+            } else {
+                for (int64_t j = 0; j < d; j++) out[j] = float_to_fp8(clampf(v[j] / s, fmax), 0);
             }
         }
     }

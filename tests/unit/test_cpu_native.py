@@ -166,3 +166,19 @@ def test_decode_attention_reads_the_exact_tail_as_the_torch_path_does() -> None:
         for _, got, want, _, _ in run_schedule(ref, native, torch.float32, True, cpu, False)
     ]
     assert min(errors) > 1e-3, errors  # the tail changes outputs by far more than the bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_is_the_hadamard_matmul(native: NativeFP8Gather, dtype: torch.dtype) -> None:
+    """The fast Walsh-Hadamard transform of strided rows equals x @ H to float32 rounding."""
+    from infer8.attention.exact_tail import hadamard, rotate
+
+    torch.manual_seed(0)
+    qkv = torch.randn(33, 12, 64, dtype=dtype) * 5
+    k = qkv[:, 9:]  # a view of a fused projection: strided rows
+    got, want = native.rotate(k), rotate(k, hadamard(64))
+    assert got.is_contiguous() and got.dtype == dtype
+    err = (got.float() - want.float()).abs().max().item()  # bf16: 0 (rounded the same way)
+    assert err <= 1e-6 * want.float().abs().max().item(), err
+    back = native.rotate(native.rotate(k.float()))  # H is its own inverse
+    torch.testing.assert_close(back, k.float(), atol=1e-5, rtol=0)
