@@ -384,3 +384,40 @@ def prefill_parts(
         KeyRange(quant[0][:, f:], quant[1][:, f:], causal=True, q_start=f - s0 + window),
     ]
     return ranges, Band(exact[0], exact[1], window, pad)
+
+
+def dense_parts(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    residuals: tuple[torch.Tensor, torch.Tensor],
+    new: tuple[torch.Tensor, torch.Tensor],
+    ring_slots: torch.Tensor,
+    sink_slots: torch.Tensor,
+    num_sinks: int,
+    exact_start: int,
+    window: int,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Return one sequence's tail values of every position and which pairs read them.
+
+    The dense form of prefill_parts (same arguments, same rule) for two_value_attention:
+    ([kvh, seq_len, d] K and V with block + residual wherever a residual is held, block values
+    elsewhere), [q_len, seq_len] bool: query a reads position j exactly iff j >= lo and
+    j > a - W, or j is one of the sinks among its quantized positions.
+    """
+    seq_len, q_len = k.shape[1], new[0].shape[0]
+    s0 = seq_len - q_len
+    lo = s0 - ring_slots.numel()
+    num_quant = min(seq_len, max(seq_len - window, exact_start, 0))
+    exact = []
+    for x, res, x_new in zip((k, v), residuals, new):
+        e = x.clone()
+        if ring_slots.numel():
+            e[:, lo:s0] += res[:, ring_slots]
+        e[:, s0:] = x_new.transpose(0, 1)
+        if sink_slots.numel():  # sinks below lo, from their slot (those above: ring or new)
+            e[:, : sink_slots.numel()] += res[:, sink_slots]
+        exact.append(e)
+    pos = torch.arange(seq_len, device=k.device)[None, :]
+    query = torch.arange(s0, seq_len, device=k.device)[:, None]
+    reads = ((pos >= lo) & (pos > query - window)) | (pos < min(num_sinks, num_quant))
+    return (exact[0], exact[1]), reads

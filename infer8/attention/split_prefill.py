@@ -129,3 +129,34 @@ def split_prefill_attention(
     for o, s in parts:
         out += torch.exp(s - lse)[..., None] * o.float()
     return out.to(q.dtype)
+
+
+def two_value_attention(
+    q: torch.Tensor,
+    keys: tuple[torch.Tensor, torch.Tensor],
+    values: tuple[torch.Tensor, torch.Tensor],
+    second: torch.Tensor,
+    q_start: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention where each (query, key) pair reads one of two values of that key.
+
+    q: [H, q_len, d] at positions q_start..; keys, values: ([kvh, n, d], [kvh, n, d]); second:
+    [q_len, n] bool, True where the pair reads the second value. Dense: [H, q_len, n] scores
+    twice, for short sequences (an FP8 cache's exact tail on a short prompt), where the key
+    ranges and band of split_prefill_attention cost more in per-call overhead than in math.
+    """
+    num_heads, q_len, d = q.shape
+    kvh, n, _ = keys[0].shape
+    group = num_heads // kvh
+    qg = q.reshape(kvh, group * q_len, d)
+    s1 = torch.bmm(qg, keys[0].transpose(1, 2)).view(kvh, group, q_len, n)
+    s2 = torch.bmm(qg, keys[1].transpose(1, 2)).view(kvh, group, q_len, n)
+    scores = torch.where(second, s2, s1).float() * scale
+    rows = torch.arange(q_len, device=q.device)[:, None] + q_start
+    scores.masked_fill_(torch.arange(n, device=q.device)[None, :] > rows, -float("inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    p2 = probs * second
+    p1 = (probs - p2).view(kvh, group * q_len, n)
+    out = torch.bmm(p1, values[0]) + torch.bmm(p2.view(kvh, group * q_len, n), values[1])
+    return out.view(num_heads, q_len, d)

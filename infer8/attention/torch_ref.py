@@ -12,7 +12,11 @@ import torch.nn.functional as F
 from infer8.attention import exact_tail
 from infer8.attention.cpu_native import NativeFP8Gather
 from infer8.attention.metadata import AttentionMetadata
-from infer8.attention.split_prefill import KeyRange, split_prefill_attention
+from infer8.attention.split_prefill import (
+    KeyRange,
+    split_prefill_attention,
+    two_value_attention,
+)
 from infer8.quant import fp8
 from infer8.worker.kv_cache import LayerKVCache
 
@@ -20,6 +24,10 @@ Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 
 logger = logging.getLogger(__name__)
+# A prefill chunk with an exact tail attends densely (two_value_attention) up to this many
+# positions of context: below it the split form's ~40 small calls per sequence cost more than
+# the dense form's [heads, q_len, seq_len] products (benchmarks/kv_step_ab.py --prefill-tokens).
+DENSE_TAIL_MAX_LEN = 256
 
 
 def _dequantize_eager(xq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -72,7 +80,13 @@ class TorchRefAttention:
     torch.compile (~8 G elements/s measured on the same machine).
     """
 
-    def __init__(self, use_compile: bool = False, use_native: bool = False) -> None:
+    def __init__(
+        self,
+        use_compile: bool = False,
+        use_native: bool = False,
+        dense_tail_max_len: int = DENSE_TAIL_MAX_LEN,
+    ) -> None:
+        self.dense_tail_max_len = dense_tail_max_len
         self._dequantize: Dequantize = _dequantize_eager
         self._buffers: dict[str, torch.Tensor] = {}
         self._native = NativeFP8Gather.load() if use_native else None
@@ -397,6 +411,16 @@ class TorchRefAttention:
                 # differently, merged by log-sum-exp (no [q_len, keys] mask: see
                 # split_prefill.py)
                 s0 = seq_len - q_len
+                if tail is not None and seq_len <= self.dense_tail_max_len:
+                    assert new_kv is not None and residuals is not None
+                    exact, reads = exact_tail.dense_parts(
+                        k, v, residuals, (new_kv[0][start:end], new_kv[1][start:end]),
+                        tail.ring_read_slots[i], tail.sink_read_slots[i], tail.num_sinks[i],
+                        tail.exact_starts[i], tail.window,
+                    )  # fmt: skip
+                    o = two_value_attention(qs, (k, exact[0]), (v, exact[1]), reads, s0, scale)
+                    out[start:end] = o.transpose(0, 1)
+                    continue
                 if tail is not None:
                     assert new_kv is not None and residuals is not None
                     ranges, band = exact_tail.prefill_parts(

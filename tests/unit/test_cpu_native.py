@@ -182,3 +182,13 @@ def test_rotate_is_the_hadamard_matmul(native: NativeFP8Gather, dtype: torch.dty
     assert err <= 1e-6 * want.float().abs().max().item(), err
     back = native.rotate(native.rotate(k.float()))  # H is its own inverse
     torch.testing.assert_close(back, k.float(), atol=1e-5, rtol=0)
+
+
+def test_dense_and_split_tail_prefill_agree_over_the_schedule() -> None:
+    """Short prompts attend densely, long ones by key ranges: the same numbers either way."""
+    torch.manual_seed(0)
+    split, dense = TorchRefAttention(dense_tail_max_len=0), TorchRefAttention()
+    cpu = torch.device("cpu")
+    for step, got, want, _, _ in run_schedule(split, dense, torch.float32, False, cpu):
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 1e-6, (step, rel)

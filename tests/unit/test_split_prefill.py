@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer8.attention.exact_tail import prefill_parts
-from infer8.attention.split_prefill import KeyRange, split_prefill_attention
+from infer8.attention.exact_tail import dense_parts, prefill_parts
+from infer8.attention.split_prefill import KeyRange, split_prefill_attention, two_value_attention
 
 
 def _masked_reference(
@@ -72,3 +72,10 @@ def test_tail_parts_match_the_masked_rule(
     v_all = torch.cat([torch.where(sink[..., None], vt, vb), vt], 1)
     ref = _masked_reference(q, k_all, v_all, torch.cat([quant_seen, tail_seen], 1), 0.3)
     assert (got - ref).abs().max() < 1e-5
+    # the dense form short prompts take: the same rule, the same numbers
+    exact, reads = dense_parts(
+        kb.clone(), vb.clone(), (res_k, res_v), new, ring_slots, sink_slots, num_sinks,
+        exact_start, window,
+    )  # fmt: skip
+    dense = two_value_attention(q, (kb, exact[0]), (vb, exact[1]), reads, s0, 0.3)
+    assert (dense - ref).abs().max() < 1e-5
