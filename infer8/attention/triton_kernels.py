@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from infer8.attention.triton_fp8 import rotate_rows
-from infer8.attention.triton_tail import load_residual, tail_exact, tile_has_tail
+from infer8.attention.triton_tail import load_residual, seq_tail, tail_exact, tile_has_tail
 
 
 @triton.jit
@@ -170,18 +170,12 @@ def decode_kernel(
     q = q.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
     table_row = block_table_ptr + b.to(tl.int64) * stride_bt
     if HAS_TAIL:  # this sequence's tail, and the K / V residual heads of this KV head
-        seq_tail = tail_seq_ptr + b.to(tl.int64) * 4
-        lo, num_sinks = tl.load(seq_tail), tl.load(seq_tail + 1)
-        ring_row, sink_row = tl.load(seq_tail + 2), tl.load(seq_tail + 3)
+        lo, num_sinks, ring_row, sink_row, res_k, res_v = seq_tail(
+            tail_seq_ptr, b, kv_head, num_kv_heads, head_dim, tail_store_ptr,
+            tail_store_scale_ptr, tail_new_ptr, tail_new_scale_ptr, store_stride_h,
+            store_scale_stride_h,
+        )  # fmt: skip
         positions = tl.zeros((BLOCK_G,), tl.int32) + (seq_len - 1)
-        k_head = kv_head.to(tl.int64)
-        v_head = k_head + num_kv_heads
-        res_k = (tail_store_ptr + k_head * store_stride_h,
-                 tail_store_scale_ptr + k_head * store_scale_stride_h,
-                 tail_new_ptr + k_head * head_dim, tail_new_scale_ptr + k_head)  # fmt: skip
-        res_v = (tail_store_ptr + v_head * store_stride_h,
-                 tail_store_scale_ptr + v_head * store_scale_stride_h,
-                 tail_new_ptr + v_head * head_dim, tail_new_scale_ptr + v_head)  # fmt: skip
 
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
@@ -390,17 +384,11 @@ def prefill_kernel(
     q = q.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
     table_row = block_table_ptr + i.to(tl.int64) * stride_bt
     if HAS_TAIL:  # as in decode_kernel; this chunk's residuals start at row q_start
-        seq_tail = tail_seq_ptr + i.to(tl.int64) * 4
-        lo, num_sinks = tl.load(seq_tail), tl.load(seq_tail + 1)
-        ring_row, sink_row = tl.load(seq_tail + 2), tl.load(seq_tail + 3)
-        k_head = kv_head.to(tl.int64)
-        v_head = k_head + num_kv_heads
-        res_k = (tail_store_ptr + k_head * store_stride_h,
-                 tail_store_scale_ptr + k_head * store_scale_stride_h,
-                 tail_new_ptr + k_head * head_dim, tail_new_scale_ptr + k_head)  # fmt: skip
-        res_v = (tail_store_ptr + v_head * store_stride_h,
-                 tail_store_scale_ptr + v_head * store_scale_stride_h,
-                 tail_new_ptr + v_head * head_dim, tail_new_scale_ptr + v_head)  # fmt: skip
+        lo, num_sinks, ring_row, sink_row, res_k, res_v = seq_tail(
+            tail_seq_ptr, i, kv_head, num_kv_heads, head_dim, tail_store_ptr,
+            tail_store_scale_ptr, tail_new_ptr, tail_new_scale_ptr, store_stride_h,
+            store_scale_stride_h,
+        )  # fmt: skip
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)

@@ -36,8 +36,9 @@ from infer8.attention.triton_fp8 import (
 from infer8.quant import fp8
 from infer8.worker.kv_cache import LayerKVCache
 
-# Columns of the per-sequence tail table the attention kernels read.
-LO, NUM_SINKS, RING_ROW, SINK_ROW = 0, 1, 2, 3
+# Columns of the per-sequence tail table the attention kernels read (constexpr: jit code may
+# read module globals only as constants).
+LO, NUM_SINKS, RING_ROW, SINK_ROW = (tl.constexpr(c) for c in range(4))
 
 
 @dataclass
@@ -88,6 +89,35 @@ def tail_exact(offs_n, mask_n, positions, lo, num_sinks, window):
     has_res = mask_n & ((offs_n >= lo) | (offs_n < num_sinks))
     in_window = offs_n[None, :] > positions[:, None] - window
     return has_res[None, :] & (in_window | (offs_n < num_sinks)[None, :]), has_res
+
+
+@triton.jit
+def seq_tail(
+    tail_seq_ptr,
+    seq,
+    kv_head,
+    num_kv_heads,
+    head_dim,
+    store_ptr,
+    store_scale_ptr,
+    new_ptr,
+    new_scale_ptr,
+    store_stride_h,
+    store_scale_stride_h,
+):
+    """Return a sequence's tail row (lo, sinks, ring row, sink row) and load_residual's first
+    pointers for K's and V's residual heads of kv_head: (store, its scales, step buffer, its
+    scales), each offset to the head."""
+    row = tail_seq_ptr + seq.to(tl.int64) * 4
+    lo, num_sinks = tl.load(row + LO), tl.load(row + NUM_SINKS)
+    ring_row, sink_row = tl.load(row + RING_ROW), tl.load(row + SINK_ROW)
+    k_head = kv_head.to(tl.int64)
+    v_head = k_head + num_kv_heads
+    res_k = (store_ptr + k_head * store_stride_h, store_scale_ptr + k_head * store_scale_stride_h,
+             new_ptr + k_head * head_dim, new_scale_ptr + k_head)  # fmt: skip
+    res_v = (store_ptr + v_head * store_stride_h, store_scale_ptr + v_head * store_scale_stride_h,
+             new_ptr + v_head * head_dim, new_scale_ptr + v_head)  # fmt: skip
+    return lo, num_sinks, ring_row, sink_row, res_k, res_v
 
 
 @triton.jit
@@ -398,6 +428,7 @@ __all__ = [
     "TritonTailStep",
     "build_tail_step",
     "load_residual",
+    "seq_tail",
     "tail_exact",
     "tail_residuals",
     "tile_has_tail",

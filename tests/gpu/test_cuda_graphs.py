@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
@@ -10,27 +9,19 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (Linux x86_64 test extra)")
 
-from infer8.attention import (  # noqa: E402
-    triton_fp8,
-    triton_kernels,
-    triton_paged,
-    triton_tail,
-)
+from tests.gpu import triton_modules  # noqa: E402
+
+_MODULES = triton_modules.load()
+triton_paged = _MODULES["triton_paged"]
+cuda_graphs = _MODULES["cuda_graphs"]
+HAS_CUDA, DEVICE = triton_modules.HAS_CUDA, triton_modules.DEVICE
+
 from infer8.attention.exact_tail import build_tail_metadata  # noqa: E402
 from infer8.attention.metadata import build_attention_metadata  # noqa: E402
 from infer8.models.loader import load_model  # noqa: E402
-from infer8.worker import cuda_graphs  # noqa: E402
 from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache  # noqa: E402
 from infer8.worker.tail_seats import SinkSlots, TailRows  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA and not triton_paged.is_interpreted():
-    triton_fp8 = importlib.reload(triton_fp8)
-    triton_tail = importlib.reload(triton_tail)
-    triton_kernels = importlib.reload(triton_kernels)
-    triton_paged = importlib.reload(triton_paged)
-    cuda_graphs = importlib.reload(cuda_graphs)
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 BLOCK_SIZE = 16
 
 

@@ -13,35 +13,23 @@ sequence's end fails.
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (Linux x86_64 test extra)")
 
-from infer8.attention import (  # noqa: E402
-    triton_fp8,
-    triton_kernels,
-    triton_paged,
-    triton_tail,
-)
+from tests.gpu import triton_modules  # noqa: E402
+
+_MODULES = triton_modules.load()
+triton_paged = _MODULES["triton_paged"]
+HAS_CUDA, DEVICE = triton_modules.HAS_CUDA, triton_modules.DEVICE
+
 from infer8.attention.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
 from infer8.attention.torch_ref import TorchRefAttention  # noqa: E402
 from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache  # noqa: E402
 
-if not HAS_CUDA and not triton_paged.is_interpreted():
-    triton_fp8 = importlib.reload(triton_fp8)
-    triton_tail = importlib.reload(triton_tail)
-    triton_kernels = importlib.reload(triton_kernels)
-    triton_paged = importlib.reload(triton_paged)
-
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 BLOCK_SIZE = 16
 CACHE_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
 # Norm-wise relative error bound by compute dtype: a few roundings of 2**-9 (bf16) / 2**-12.

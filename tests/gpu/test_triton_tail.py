@@ -8,33 +8,19 @@ without it are far off.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (Linux x86_64 test extra)")
 
-from infer8.attention import (  # noqa: E402
-    triton_fp8,
-    triton_kernels,
-    triton_paged,
-    triton_tail,
-)
+from tests.gpu import triton_modules  # noqa: E402
+
+_MODULES = triton_modules.load()
+triton_paged = _MODULES["triton_paged"]
+HAS_CUDA, DEVICE = triton_modules.HAS_CUDA, triton_modules.DEVICE
+
 from infer8.attention.torch_ref import TorchRefAttention  # noqa: E402
 from tests.tail_schedule import run_schedule  # noqa: E402
-
-if not HAS_CUDA and not triton_paged.is_interpreted():
-    triton_fp8 = importlib.reload(triton_fp8)
-    triton_tail = importlib.reload(triton_tail)
-    triton_kernels = importlib.reload(triton_kernels)
-    triton_paged = importlib.reload(triton_paged)
-
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
 def _run_schedule(dtype: torch.dtype, hadamard: bool, tail_on_triton: bool = True):  # type: ignore[no-untyped-def]  # noqa: E501
