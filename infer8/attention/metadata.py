@@ -41,6 +41,8 @@ class AttentionMetadata:
     prefill_seq_ids: list[int]
     # FP8 cache with an exact tail: set by the model runner after building (exact_tail.py).
     tail: TailMetadata | None = None
+    # [num_decode] int64 context lengths of the decode sequences (CPU, for native kernels)
+    decode_seq_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -90,4 +92,5 @@ def build_attention_metadata(
         decode_block_tables=decode_block_tables.to(device),
         decode_mask=decode_mask.to(device),
         prefill_seq_ids=prefill_seq_ids,
+        decode_seq_lens=decode_lens,
     )

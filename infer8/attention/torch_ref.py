@@ -281,7 +281,9 @@ class TorchRefAttention:
     ) -> torch.Tensor:
         """_decode in one native pass per (sequence, KV head): blocks read in place."""
         assert self._native is not None
-        lens = torch.tensor([meta.seq_lens[i] for i in meta.decode_seq_ids], dtype=torch.int64)
+        lens = meta.decode_seq_lens  # built once per step, not per layer
+        if lens is None:
+            lens = torch.tensor([meta.seq_lens[i] for i in meta.decode_seq_ids])
         tail_args = None
         if new_kv is not None:
             tail = meta.tail
