@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer8.attention.split_prefill import Band, KeyRange
 from infer8.quant import fp8
 
 if TYPE_CHECKING:
@@ -336,88 +335,3 @@ def decode_residuals(residuals: torch.Tensor, num_decode: int, width: int) -> to
     """
     kvh, d = residuals.shape[0], residuals.shape[-1]
     return residuals[:, : num_decode * width].reshape(kvh * num_decode, width, d)
-
-
-def prefill_parts(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    residuals: tuple[torch.Tensor, torch.Tensor],
-    new: tuple[torch.Tensor, torch.Tensor],
-    ring_slots: torch.Tensor,
-    sink_slots: torch.Tensor,
-    num_sinks: int,
-    exact_start: int,
-    window: int,
-) -> tuple[list[KeyRange], Band]:
-    """Return one sequence's key ranges and band for split_prefill_attention.
-
-    k, v: [kvh, seq_len, d] dequantized blocks; residuals: the dequantized store rows (K's and
-    V's, see TailMetadata); new: [q_len, kvh, d] tail values of this step's K and V. Query at
-    position a reads quantized position j iff j <= a - W or j < exact_start (the first
-    num_sinks of them at tail precision), and tail values at (a - W, a].
-    """
-    seq_len, q_len = k.shape[1], new[0].shape[0]
-    s0 = seq_len - q_len
-    lo = s0 - ring_slots.numel()
-    num_quant = min(seq_len, max(seq_len - window, exact_start, 0))
-    num_sink = min(num_sinks, num_quant)
-    # the band covers positions [s0 - W + 1, seq_len); below lo it is never read
-    pad = lo - (s0 - window + 1)
-    quant, exact = [], []
-    for x, res, x_new in zip((k, v), residuals, new):
-        band = x.new_zeros(x.shape[0], pad + seq_len - lo, x.shape[2])
-        band[:, pad : pad + s0 - lo] = x[:, lo:s0]  # ring positions: block value + residual
-        if ring_slots.numel():
-            band[:, pad : pad + s0 - lo] += res[:, ring_slots]
-        band[:, pad + s0 - lo :] = x_new.transpose(0, 1)
-        if num_sink:  # the sinks among the quantized keys (x is this call's own dequantized
-            # copy, and the band was taken first): from the store, or from the band
-            from_store = min(num_sink, lo)
-            x[:, :from_store] += res[:, sink_slots[:from_store]]
-            x[:, from_store:num_sink] = band[:, pad + from_store - lo : pad + num_sink - lo]
-        quant.append(x[:, :num_quant])
-        exact.append(band)
-    # every query sees quantized [0, f); query s0 + i sees [f, s0 + i - W] too
-    f = min(num_quant, max(exact_start, s0 - window + 1, 0))
-    ranges = [
-        KeyRange(quant[0][:, :f], quant[1][:, :f]),
-        KeyRange(quant[0][:, f:], quant[1][:, f:], causal=True, q_start=f - s0 + window),
-    ]
-    return ranges, Band(exact[0], exact[1], window, pad)
-
-
-def dense_parts(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    residuals: tuple[torch.Tensor, torch.Tensor],
-    new: tuple[torch.Tensor, torch.Tensor],
-    ring_slots: torch.Tensor,
-    sink_slots: torch.Tensor,
-    num_sinks: int,
-    exact_start: int,
-    window: int,
-) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Return one sequence's tail values of every position and which pairs read them.
-
-    The dense form of prefill_parts (same arguments, same rule) for two_value_attention:
-    ([kvh, seq_len, d] K and V with block + residual wherever a residual is held, block values
-    elsewhere), [q_len, seq_len] bool: query a reads position j exactly iff j >= lo and
-    j > a - W, or j is one of the sinks among its quantized positions.
-    """
-    seq_len, q_len = k.shape[1], new[0].shape[0]
-    s0 = seq_len - q_len
-    lo = s0 - ring_slots.numel()
-    num_quant = min(seq_len, max(seq_len - window, exact_start, 0))
-    exact = []
-    for x, res, x_new in zip((k, v), residuals, new):
-        e = x.clone()
-        if ring_slots.numel():
-            e[:, lo:s0] += res[:, ring_slots]
-        e[:, s0:] = x_new.transpose(0, 1)
-        if sink_slots.numel():  # sinks below lo, from their slot (those above: ring or new)
-            e[:, : sink_slots.numel()] += res[:, sink_slots]
-        exact.append(e)
-    pos = torch.arange(seq_len, device=k.device)[None, :]
-    query = torch.arange(s0, seq_len, device=k.device)[:, None]
-    reads = ((pos >= lo) & (pos > query - window)) | (pos < min(num_sinks, num_quant))
-    return (exact[0], exact[1]), reads

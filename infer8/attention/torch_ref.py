@@ -9,14 +9,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from infer8.attention import exact_tail
+from infer8.attention import exact_tail, tail_prefill
 from infer8.attention.cpu_native import NativeFP8Gather
 from infer8.attention.metadata import AttentionMetadata
-from infer8.attention.split_prefill import (
-    KeyRange,
-    split_prefill_attention,
-    two_value_attention,
-)
+from infer8.attention.split_prefill import KeyRange, split_prefill_attention
 from infer8.quant import fp8
 from infer8.worker.kv_cache import LayerKVCache
 
@@ -24,10 +20,6 @@ Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 
 logger = logging.getLogger(__name__)
-# A prefill chunk with an exact tail attends densely (two_value_attention) up to this many
-# positions of context: below it the split form's ~40 small calls per sequence cost more than
-# the dense form's [heads, q_len, seq_len] products (benchmarks/kv_step_ab.py --prefill-tokens).
-DENSE_TAIL_MAX_LEN = 256
 
 
 def _dequantize_eager(xq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,7 +76,7 @@ class TorchRefAttention:
         self,
         use_compile: bool = False,
         use_native: bool = False,
-        dense_tail_max_len: int = DENSE_TAIL_MAX_LEN,
+        dense_tail_max_len: int = tail_prefill.DENSE_TAIL_MAX_LEN,
     ) -> None:
         self.dense_tail_max_len = dense_tail_max_len
         self._dequantize: Dequantize = _dequantize_eager
@@ -408,41 +400,23 @@ class TorchRefAttention:
             k = self._read(cache.k, cache.k_scale, cache.k_static_scale, table, dtype)[:, :seq_len]
             v = self._read(cache.v, cache.v_scale, cache.v_static_scale, table, dtype)[:, :seq_len]
             qs = q[start:end].transpose(0, 1)  # [H, q_len, D]
-            if tail is not None or q_len != seq_len:
-                # a tail, or a chunk after cached positions: key ranges each query sees
-                # differently, merged by log-sum-exp (no [q_len, keys] mask: see
-                # split_prefill.py)
+            if tail is not None:
+                assert new_kv is not None and residuals is not None
+                o = tail_prefill.sequence_attention(
+                    qs, (k, v), residuals, (new_kv[0][start:end], new_kv[1][start:end]),
+                    tail, i, scale, self.dense_tail_max_len,
+                )  # fmt: skip
+                out[start:end] = o.transpose(0, 1)
+                continue
+            if q_len != seq_len:
+                # a chunk after cached positions: key ranges each query sees differently,
+                # merged by log-sum-exp (no [q_len, keys] mask: see split_prefill.py)
                 s0 = seq_len - q_len
-                if tail is not None and seq_len <= self.dense_tail_max_len:
-                    assert new_kv is not None and residuals is not None
-                    exact, reads = exact_tail.dense_parts(
-                        k, v, residuals, (new_kv[0][start:end], new_kv[1][start:end]),
-                        tail.ring_read_slots[i], tail.sink_read_slots[i], tail.num_sinks[i],
-                        tail.exact_starts[i], tail.window,
-                    )  # fmt: skip
-                    o = two_value_attention(qs, (k, exact[0]), (v, exact[1]), reads, s0, scale)
-                    out[start:end] = o.transpose(0, 1)
-                    continue
-                if tail is not None:
-                    assert new_kv is not None and residuals is not None
-                    ranges, band = exact_tail.prefill_parts(
-                        k,
-                        v,
-                        residuals,
-                        (new_kv[0][start:end], new_kv[1][start:end]),
-                        tail.ring_read_slots[i],
-                        tail.sink_read_slots[i],
-                        tail.num_sinks[i],
-                        tail.exact_starts[i],
-                        tail.window,
-                    )
-                else:
-                    ranges = [
-                        KeyRange(k[:, :s0], v[:, :s0]),
-                        KeyRange(k[:, s0:], v[:, s0:], causal=True),
-                    ]
-                    band = None
-                o = split_prefill_attention(qs, ranges, band, scale)
+                ranges = [
+                    KeyRange(k[:, :s0], v[:, :s0]),
+                    KeyRange(k[:, s0:], v[:, s0:], causal=True),
+                ]
+                o = split_prefill_attention(qs, ranges, None, scale)
                 out[start:end] = o.transpose(0, 1)
                 continue
             # 4-D inputs: on CPU, 3-D ones fall back to SDPA's unfused math path (explicit

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer8.attention.exact_tail import dense_parts, prefill_parts
 from infer8.attention.split_prefill import KeyRange, split_prefill_attention, two_value_attention
+from infer8.attention.tail_prefill import dense_parts, prefill_parts
 
 
 def _masked_reference(

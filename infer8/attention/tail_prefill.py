@@ -1,0 +1,154 @@
+"""Prefill attention with an FP8 cache's exact tail: which value each (query, key) pair reads.
+
+A prefill query at position a reads positions (a - W, a] and its sequence's sinks as block value
++ residual, the rest as block values (exact_tail.py). Two forms of the same rule, per sequence:
+
+- `prefill_parts`: key ranges and a band for split_prefill_attention (long contexts: SDPA's
+  flash kernel per range, no [q_len, keys] mask);
+- `dense_parts`: two values per key for two_value_attention (contexts of at most
+  DENSE_TAIL_MAX_LEN positions, where the split form's ~40 small calls cost more than the math).
+
+Sequences go one at a time. Padding many short prompts into one two_value_attention call was
+measured slower (118 ms against 71 ms for 32 prompts of 128 tokens, one layer): its [G, H, L, L]
+float32 scores leave the caches, and the element-wise passes over them become memory-bound.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from infer8.attention.split_prefill import (
+    Band,
+    KeyRange,
+    split_prefill_attention,
+    two_value_attention,
+)
+
+if TYPE_CHECKING:
+    from infer8.attention.exact_tail import TailMetadata
+
+# A prefill chunk with an exact tail attends densely (two_value_attention) up to this many
+# positions of context: below it the split form's ~40 small calls per sequence cost more than
+# the dense form's [heads, q_len, seq_len] products (benchmarks/kv_step_ab.py --prefill-tokens).
+DENSE_TAIL_MAX_LEN = 256
+
+
+def sequence_attention(
+    q: torch.Tensor,
+    blocks: tuple[torch.Tensor, torch.Tensor],
+    residuals: tuple[torch.Tensor, torch.Tensor],
+    new: tuple[torch.Tensor, torch.Tensor],
+    tail: TailMetadata,
+    seq_id: int,
+    scale: float,
+    dense_max_len: int = DENSE_TAIL_MAX_LEN,
+) -> torch.Tensor:
+    """Attend one sequence's chunk q [H, q_len, d] over its context with its tail.
+
+    blocks: its K and V blocks dequantized ([kvh, seq_len, d]; this call's own copies, changed);
+    residuals: the dequantized store rows read (TailMetadata); new: [q_len, kvh, d] tail values
+    of this step's K and V. Dense up to dense_max_len positions, by key ranges beyond.
+    """
+    k, v = blocks
+    seq_len, q_len = k.shape[1], q.shape[1]
+    args = (
+        residuals,
+        new,
+        tail.ring_read_slots[seq_id],
+        tail.sink_read_slots[seq_id],
+        tail.num_sinks[seq_id],
+        tail.exact_starts[seq_id],
+        tail.window,
+    )
+    if seq_len <= dense_max_len:
+        exact, reads = dense_parts(k, v, *args)
+        return two_value_attention(q, (k, exact[0]), (v, exact[1]), reads, seq_len - q_len, scale)
+    ranges, band = prefill_parts(k, v, *args)
+    return split_prefill_attention(q, ranges, band, scale)
+
+
+def prefill_parts(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    residuals: tuple[torch.Tensor, torch.Tensor],
+    new: tuple[torch.Tensor, torch.Tensor],
+    ring_slots: torch.Tensor,
+    sink_slots: torch.Tensor,
+    num_sinks: int,
+    exact_start: int,
+    window: int,
+) -> tuple[list[KeyRange], Band]:
+    """Return one sequence's key ranges and band for split_prefill_attention.
+
+    k, v: [kvh, seq_len, d] dequantized blocks; residuals: the dequantized store rows (K's and
+    V's, see TailMetadata); new: [q_len, kvh, d] tail values of this step's K and V. Query at
+    position a reads quantized position j iff j <= a - W or j < exact_start (the first
+    num_sinks of them at tail precision), and tail values at (a - W, a].
+    """
+    seq_len, q_len = k.shape[1], new[0].shape[0]
+    s0 = seq_len - q_len
+    lo = s0 - ring_slots.numel()
+    num_quant = min(seq_len, max(seq_len - window, exact_start, 0))
+    num_sink = min(num_sinks, num_quant)
+    # the band covers positions [s0 - W + 1, seq_len); below lo it is never read
+    pad = lo - (s0 - window + 1)
+    quant, exact = [], []
+    for x, res, x_new in zip((k, v), residuals, new):
+        band = x.new_zeros(x.shape[0], pad + seq_len - lo, x.shape[2])
+        band[:, pad : pad + s0 - lo] = x[:, lo:s0]  # ring positions: block value + residual
+        if ring_slots.numel():
+            band[:, pad : pad + s0 - lo] += res[:, ring_slots]
+        band[:, pad + s0 - lo :] = x_new.transpose(0, 1)
+        if num_sink:  # the sinks among the quantized keys (x is this call's own dequantized
+            # copy, and the band was taken first): from the store, or from the band
+            from_store = min(num_sink, lo)
+            x[:, :from_store] += res[:, sink_slots[:from_store]]
+            x[:, from_store:num_sink] = band[:, pad + from_store - lo : pad + num_sink - lo]
+        quant.append(x[:, :num_quant])
+        exact.append(band)
+    # every query sees quantized [0, f); query s0 + i sees [f, s0 + i - W] too
+    f = min(num_quant, max(exact_start, s0 - window + 1, 0))
+    ranges = [
+        KeyRange(quant[0][:, :f], quant[1][:, :f]),
+        KeyRange(quant[0][:, f:], quant[1][:, f:], causal=True, q_start=f - s0 + window),
+    ]
+    return ranges, Band(exact[0], exact[1], window, pad)
+
+
+def dense_parts(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    residuals: tuple[torch.Tensor, torch.Tensor],
+    new: tuple[torch.Tensor, torch.Tensor],
+    ring_slots: torch.Tensor,
+    sink_slots: torch.Tensor,
+    num_sinks: int,
+    exact_start: int,
+    window: int,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Return one sequence's tail values of every position and which pairs read them.
+
+    The dense form of prefill_parts (same arguments, same rule) for two_value_attention:
+    ([kvh, seq_len, d] K and V with block + residual wherever a residual is held, block values
+    elsewhere), [q_len, seq_len] bool: query a reads position j exactly iff j >= lo and
+    j > a - W, or j is one of the sinks among its quantized positions.
+    """
+    seq_len, q_len = k.shape[1], new[0].shape[0]
+    s0 = seq_len - q_len
+    lo = s0 - ring_slots.numel()
+    num_quant = min(seq_len, max(seq_len - window, exact_start, 0))
+    exact = []
+    for x, res, x_new in zip((k, v), residuals, new):
+        e = x.clone()
+        if ring_slots.numel():
+            e[:, lo:s0] += res[:, ring_slots]
+        e[:, s0:] = x_new.transpose(0, 1)
+        if sink_slots.numel():  # sinks below lo, from their slot (those above: ring or new)
+            e[:, : sink_slots.numel()] += res[:, sink_slots]
+        exact.append(e)
+    pos = torch.arange(seq_len, device=k.device)[None, :]
+    query = torch.arange(s0, seq_len, device=k.device)[:, None]
+    reads = ((pos >= lo) & (pos > query - window)) | (pos < min(num_sinks, num_quant))
+    return (exact[0], exact[1]), reads
