@@ -15,6 +15,7 @@ float32 scores leave the caches, and the element-wise passes over them become me
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +36,26 @@ if TYPE_CHECKING:
 DENSE_TAIL_MAX_LEN = 256
 
 
+@dataclass(frozen=True)
+class SequenceTail:
+    """What one prefill sequence's tail reads beside its blocks (see TailMetadata)."""
+
+    residuals: tuple[torch.Tensor, torch.Tensor]  # K's and V's dequantized store rows read
+    new: tuple[torch.Tensor, torch.Tensor]  # [q_len, kvh, d] tail values of the step's K, V
+    ring: torch.Tensor  # read indices of the ring positions [lo, first new position)
+    sinks: torch.Tensor  # read indices of the stored sinks [0, min(S, lo))
+    num_sinks: int
+    exact_start: int  # the first position its row holds exactly
+    window: int
+
+    def bounds(self, seq_len: int) -> tuple[int, int, int]:
+        """Return (s0, lo, num_quant): the chunk's first position, the first ring position it
+        reads, how many positions some query reads quantized."""
+        s0 = seq_len - self.new[0].shape[0]
+        num_quant = min(seq_len, max(seq_len - self.window, self.exact_start, 0))
+        return s0, s0 - self.ring.numel(), num_quant
+
+
 def sequence_attention(
     q: torch.Tensor,
     blocks: tuple[torch.Tensor, torch.Tensor],
@@ -53,7 +74,7 @@ def sequence_attention(
     """
     k, v = blocks
     seq_len, q_len = k.shape[1], q.shape[1]
-    args = (
+    seq_tail = SequenceTail(
         residuals,
         new,
         tail.ring_read_slots[seq_id],
@@ -63,39 +84,28 @@ def sequence_attention(
         tail.window,
     )
     if seq_len <= dense_max_len:
-        exact, reads = dense_parts(k, v, *args)
+        exact, reads = dense_parts(k, v, seq_tail)
         return two_value_attention(q, (k, exact[0]), (v, exact[1]), reads, seq_len - q_len, scale)
-    ranges, band = prefill_parts(k, v, *args)
+    ranges, band = prefill_parts(k, v, seq_tail)
     return split_prefill_attention(q, ranges, band, scale)
 
 
 def prefill_parts(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    residuals: tuple[torch.Tensor, torch.Tensor],
-    new: tuple[torch.Tensor, torch.Tensor],
-    ring_slots: torch.Tensor,
-    sink_slots: torch.Tensor,
-    num_sinks: int,
-    exact_start: int,
-    window: int,
+    k: torch.Tensor, v: torch.Tensor, tail: SequenceTail
 ) -> tuple[list[KeyRange], Band]:
     """Return one sequence's key ranges and band for split_prefill_attention.
 
-    k, v: [kvh, seq_len, d] dequantized blocks; residuals: the dequantized store rows (K's and
-    V's, see TailMetadata); new: [q_len, kvh, d] tail values of this step's K and V. Query at
-    position a reads quantized position j iff j <= a - W or j < exact_start (the first
-    num_sinks of them at tail precision), and tail values at (a - W, a].
+    k, v: [kvh, seq_len, d] dequantized blocks (changed: the sinks' values). Query at position
+    a reads quantized position j iff j <= a - W or j < exact_start (the first num_sinks of them
+    at tail precision), and tail values at (a - W, a].
     """
-    seq_len, q_len = k.shape[1], new[0].shape[0]
-    s0 = seq_len - q_len
-    lo = s0 - ring_slots.numel()
-    num_quant = min(seq_len, max(seq_len - window, exact_start, 0))
-    num_sink = min(num_sinks, num_quant)
+    seq_len, window, ring_slots, sink_slots = k.shape[1], tail.window, tail.ring, tail.sinks
+    s0, lo, num_quant = tail.bounds(seq_len)
+    num_sink = min(tail.num_sinks, num_quant)
     # the band covers positions [s0 - W + 1, seq_len); below lo it is never read
     pad = lo - (s0 - window + 1)
     quant, exact = [], []
-    for x, res, x_new in zip((k, v), residuals, new):
+    for x, res, x_new in zip((k, v), tail.residuals, tail.new):
         band = x.new_zeros(x.shape[0], pad + seq_len - lo, x.shape[2])
         band[:, pad : pad + s0 - lo] = x[:, lo:s0]  # ring positions: block value + residual
         if ring_slots.numel():
@@ -109,7 +119,7 @@ def prefill_parts(
         quant.append(x[:, :num_quant])
         exact.append(band)
     # every query sees quantized [0, f); query s0 + i sees [f, s0 + i - W] too
-    f = min(num_quant, max(exact_start, s0 - window + 1, 0))
+    f = min(num_quant, max(tail.exact_start, s0 - window + 1, 0))
     ranges = [
         KeyRange(quant[0][:, :f], quant[1][:, :f]),
         KeyRange(quant[0][:, f:], quant[1][:, f:], causal=True, q_start=f - s0 + window),
@@ -118,15 +128,7 @@ def prefill_parts(
 
 
 def dense_parts(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    residuals: tuple[torch.Tensor, torch.Tensor],
-    new: tuple[torch.Tensor, torch.Tensor],
-    ring_slots: torch.Tensor,
-    sink_slots: torch.Tensor,
-    num_sinks: int,
-    exact_start: int,
-    window: int,
+    k: torch.Tensor, v: torch.Tensor, tail: SequenceTail
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Return one sequence's tail values of every position and which pairs read them.
 
@@ -135,12 +137,10 @@ def dense_parts(
     elsewhere), [q_len, seq_len] bool: query a reads position j exactly iff j >= lo and
     j > a - W, or j is one of the sinks among its quantized positions.
     """
-    seq_len, q_len = k.shape[1], new[0].shape[0]
-    s0 = seq_len - q_len
-    lo = s0 - ring_slots.numel()
-    num_quant = min(seq_len, max(seq_len - window, exact_start, 0))
+    seq_len, ring_slots, sink_slots = k.shape[1], tail.ring, tail.sinks
+    s0, lo, num_quant = tail.bounds(seq_len)
     exact = []
-    for x, res, x_new in zip((k, v), residuals, new):
+    for x, res, x_new in zip((k, v), tail.residuals, tail.new):
         e = x.clone()
         if ring_slots.numel():
             e[:, lo:s0] += res[:, ring_slots]
@@ -150,5 +150,5 @@ def dense_parts(
         exact.append(e)
     pos = torch.arange(seq_len, device=k.device)[None, :]
     query = torch.arange(s0, seq_len, device=k.device)[:, None]
-    reads = ((pos >= lo) & (pos > query - window)) | (pos < min(num_sinks, num_quant))
+    reads = ((pos >= lo) & (pos > query - tail.window)) | (pos < min(tail.num_sinks, num_quant))
     return (exact[0], exact[1]), reads

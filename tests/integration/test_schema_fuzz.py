@@ -61,3 +61,29 @@ def test_no_server_errors_and_documented_answers(case: Any) -> None:
         response,
         checks=[status_code_conformance, content_type_conformance, response_schema_conformance],
     )
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 4}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        ),
+    ],
+)
+def test_streams_answer_as_documented(api_schema: Any, path: str, body: dict[str, Any]) -> None:
+    """Every event of a stream matches the documented event schema (the fuzz may not stream)."""
+    case = api_schema[path]["POST"].Case(
+        body={"model": "tiny", "stream": True, **body},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    response = case.call(timeout=20)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"][0].startswith("text/event-stream")
+    assert response.text.rstrip().endswith("data: [DONE]")
+    case.validate_response(
+        response,
+        checks=[status_code_conformance, content_type_conformance, response_schema_conformance],
+    )

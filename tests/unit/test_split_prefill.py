@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from infer8.attention.split_prefill import KeyRange, split_prefill_attention, two_value_attention
-from infer8.attention.tail_prefill import dense_parts, prefill_parts
+from infer8.attention.tail_prefill import SequenceTail, dense_parts, prefill_parts
 
 
 def _masked_reference(
@@ -54,10 +54,10 @@ def test_tail_parts_match_the_masked_rule(
     ring_slots = torch.arange(len(ring_pos))
     sink_slots = torch.arange(len(ring_pos), len(ring_pos) + len(sink_pos))
     new = (kt[:, s0:].transpose(0, 1), vt[:, s0:].transpose(0, 1))
-    ranges, band = prefill_parts(
-        kb.clone(), vb.clone(), (res_k, res_v), new, ring_slots, sink_slots, num_sinks,
-        exact_start, window,
-    )  # fmt: skip
+    seq_tail = SequenceTail(
+        (res_k, res_v), new, ring_slots, sink_slots, num_sinks, exact_start, window
+    )
+    ranges, band = prefill_parts(kb.clone(), vb.clone(), seq_tail)
     q = torch.randn(2 * kvh, q_len, d)
     got = split_prefill_attention(q, ranges, band, 0.3)
 
@@ -73,9 +73,6 @@ def test_tail_parts_match_the_masked_rule(
     ref = _masked_reference(q, k_all, v_all, torch.cat([quant_seen, tail_seen], 1), 0.3)
     assert (got - ref).abs().max() < 1e-5
     # the dense form short prompts take: the same rule, the same numbers
-    exact, reads = dense_parts(
-        kb.clone(), vb.clone(), (res_k, res_v), new, ring_slots, sink_slots, num_sinks,
-        exact_start, window,
-    )  # fmt: skip
+    exact, reads = dense_parts(kb.clone(), vb.clone(), seq_tail)
     dense = two_value_attention(q, (kb, exact[0]), (vb, exact[1]), reads, s0, 0.3)
     assert (dense - ref).abs().max() < 1e-5

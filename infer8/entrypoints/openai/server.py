@@ -81,10 +81,24 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: {"model": ErrorResponse, "description": descriptions[c]} for c in codes}
 
 
+# A server-sent event as the HTML standard defines its fields.
+_SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer", "minimum": 0},
+    },
+}
+
 _GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The completion, or a text/event-stream of chunks with `stream: true`.",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        # one event (OpenAPI 3.2's itemSchema; 3.0/3.1 tools read `schema` per event): `data`
+        # holds a JSON chunk, the last one `[DONE]`
+        "content": {"text/event-stream": {"schema": _SSE_EVENT_SCHEMA}},
     },
     **_errors(400, 401, 404, 413, 500, 503),
 }
