@@ -37,12 +37,13 @@ class AttentionMetadata:
     decode_token_ids: torch.Tensor  # [num_decode] int64, token index of each decode sequence
     decode_block_tables: torch.Tensor  # [num_decode, max_decode_blocks] int64
     decode_mask: torch.Tensor  # [num_decode, 1, 1, max_decode_blocks * block_size] bool
+    # [num_decode] context lengths of the decode sequences (int64 on the CPU, where the native
+    # decode kernel reads them; a CUDA graph bucket's own int32 buffer)
+    decode_seq_lens: torch.Tensor
     # Everything else (prefill chunks) is attended one sequence at a time.
     prefill_seq_ids: list[int]
     # FP8 cache with an exact tail: set by the model runner after building (exact_tail.py).
     tail: TailMetadata | None = None
-    # [num_decode] int64 context lengths of the decode sequences (CPU, for native kernels)
-    decode_seq_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -91,6 +92,6 @@ def build_attention_metadata(
         ),
         decode_block_tables=decode_block_tables.to(device),
         decode_mask=decode_mask.to(device),
-        prefill_seq_ids=prefill_seq_ids,
         decode_seq_lens=decode_lens,
+        prefill_seq_ids=prefill_seq_ids,
     )

@@ -274,8 +274,6 @@ class TorchRefAttention:
         """_decode in one native pass per (sequence, KV head): blocks read in place."""
         assert self._native is not None
         lens = meta.decode_seq_lens  # built once per step, not per layer
-        if lens is None:
-            lens = torch.tensor([meta.seq_lens[i] for i in meta.decode_seq_ids])
         tail_args = None
         if new_kv is not None:
             tail = meta.tail

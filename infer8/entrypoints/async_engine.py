@@ -209,7 +209,7 @@ class AsyncLLMEngine:
         assert self._thread is None, "already started"
         self._host_memory.limit_arenas()  # before the engine, watchdog and worker threads start
         # The loading thread's OpenMP pool would make libgomp park the engine's workers after
-        # every parallel region (more OpenMP threads than cores): ~1.8x slower steps on CPU.
+        # every parallel region (more OpenMP threads than cores): 1.5-1.8x slower steps on CPU.
         release_openmp_workers()
         self._thread = threading.Thread(target=self._run, name="infer8-engine", daemon=True)
         self._thread.start()

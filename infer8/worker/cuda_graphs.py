@@ -62,6 +62,7 @@ class _Bucket:
             decode_token_ids=token_ids,
             decode_block_tables=self.block_tables,
             decode_mask=torch.empty(0, dtype=torch.bool, device=device),  # reference-only
+            decode_seq_lens=self.seq_lens,
             prefill_seq_ids=[],
         )
         empty = torch.zeros(0, dtype=torch.int32, device=device)
