@@ -10,7 +10,7 @@
 // same source vectorizes for AVX2, AVX-512 or NEON.
 
 #include <math.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 #include <stdint.h>
@@ -40,8 +40,9 @@ static inline float round_bf16(float f) {  // round to nearest even, as torch's 
     return f;
 }
 
-// 8 consecutive elements of a cache row as floats (FP8: unscaled values).
-static inline v8f load8(const void* row, int64_t i, int kind) {
+// 8 consecutive elements of a cache row as floats (FP8: unscaled values; E4M3 / 256 where
+// `e4m3_raw`, for callers that fold the exact factor 256 into the row's scale).
+static inline v8f load8_as(const void* row, int64_t i, int kind, int e4m3_raw) {
     v8f out;
     if (kind == KV_F32) {
         memcpy(&out, (const float*)row + i, 32);
@@ -63,7 +64,7 @@ static inline v8f load8(const void* row, int64_t i, int kind) {
             h = _mm_slli_epi16(h, 8);
         __m256 f = _mm256_cvtph_ps(h);
         memcpy(&out, &f, 32);
-        if (kind == KV_E4M3) out *= 256.0f;
+        if (kind == KV_E4M3 && !e4m3_raw) out *= 256.0f;
 #else
         v8u8 u;
         memcpy(&u, (const uint8_t*)row + i, 8);
@@ -88,6 +89,10 @@ static inline v8f load8(const void* row, int64_t i, int kind) {
 #endif
     }
     return out;
+}
+
+static inline v8f load8(const void* row, int64_t i, int kind) {
+    return load8_as(row, i, kind, 0);
 }
 
 // e^x for x <= 0 (a softmax's shifted scores), 8 lanes: Cephes' expf (range reduction by
@@ -122,6 +127,172 @@ static inline float hsum(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+// Sums of 4 accumulators, one float each (AVX: a horizontal-add tree; else lane by lane).
+static inline void hsum4(v8f a, v8f b, v8f c, v8f e, float* out) {
+#ifdef __AVX__
+    __m256 ab = _mm256_hadd_ps((__m256)a, (__m256)b), ce = _mm256_hadd_ps((__m256)c, (__m256)e);
+    __m256 all = _mm256_hadd_ps(ab, ce);
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+    _mm_storeu_ps(out, sum);
+#else
+    out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(e);
+#endif
+}
+
+enum { MAX_HEADS = 3, MAX_KEYS = 4, MAX_CHUNKS = 2, AHEAD = 16, ROWS = 64 };
+
+// A cache row's lines requested ahead of use: rows come block by block in the block table's
+// order, which the hardware prefetcher cannot follow across blocks.
+static inline void prefetch_row(const char* row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at);
+}
+
+// dots[g][k] = q_g . row_k for NH query heads and KJ key rows: NH x KJ accumulators stay in
+// registers (both constants after inlining), each key row widened once for all heads.
+static inline __attribute__((always_inline)) void dot_tile(
+    const float* qf, int64_t d, const char* const* rows, int kind, int nh, int kj,
+    float dots[MAX_HEADS][MAX_KEYS]) {
+    v8f acc[MAX_HEADS][MAX_KEYS];
+    for (int g = 0; g < nh; g++)
+        for (int k = 0; k < kj; k++) acc[g][k] = (v8f){0};
+    for (int64_t i = 0; i < d; i += 8) {
+        v8f kv[MAX_KEYS];
+        for (int k = 0; k < kj; k++) kv[k] = load8_as(rows[k], i, kind, 1);
+        for (int g = 0; g < nh; g++) {
+            v8f qv;
+            memcpy(&qv, qf + g * d + i, 32);
+            for (int k = 0; k < kj; k++) acc[g][k] += qv * kv[k];
+        }
+    }
+    for (int g = 0; g < nh; g++) {
+        if (kj == MAX_KEYS)
+            hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], dots[g]);
+        else
+            for (int k = 0; k < kj; k++) dots[g][k] = hsum(acc[g][k]);
+    }
+}
+
+// acc_g[c0 .. c0 + 8 NC) += sum_j w_g[j] * row_j[c0 ..] over n rows, for NH heads: NH x NC
+// accumulators in registers; w: [NH][stride] weights (probabilities times the row's scale).
+static inline __attribute__((always_inline)) void value_tile(
+    const float* w, int64_t stride, const char* const* rows, int64_t n, int kind, int64_t c0,
+    int nh, int nc, float* acc, int64_t d) {
+    v8f a[MAX_HEADS][MAX_CHUNKS];
+    for (int g = 0; g < nh; g++)
+        for (int c = 0; c < nc; c++) memcpy(&a[g][c], acc + g * d + c0 + 8 * c, 32);
+    for (int64_t j = 0; j < n; j++) {
+        v8f vv[MAX_CHUNKS];
+        for (int c = 0; c < nc; c++) vv[c] = load8_as(rows[j], c0 + 8 * c, kind, 1);
+        for (int g = 0; g < nh; g++) {
+            const float p = w[g * stride + j];
+            for (int c = 0; c < nc; c++) a[g][c] += p * vv[c];
+        }
+    }
+    for (int g = 0; g < nh; g++)
+        for (int c = 0; c < nc; c++) memcpy(acc + g * d + c0 + 8 * c, &a[g][c], 32);
+}
+
+// The scores of n cached keys (no tail value) for NH heads, in tiles of MAX_KEYS keys.
+static inline __attribute__((always_inline)) void score_keys(
+    const float* qf, int64_t d, const char* const* rows, const float* kscale, int64_t n,
+    int kind, int nh, int x_f32, float sm_scale, float* scores, int64_t len) {
+    float dots[MAX_HEADS][MAX_KEYS];
+    const int64_t row_bytes = d * (kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1);
+    int64_t j = 0;
+    for (; j + MAX_KEYS <= n; j += MAX_KEYS) {
+        for (int64_t k = j + AHEAD; k < j + AHEAD + MAX_KEYS && k < n; k++) {
+            prefetch_row(rows[k], row_bytes);
+        }
+        dot_tile(qf, d, rows + j, kind, nh, MAX_KEYS, dots);
+        for (int g = 0; g < nh; g++)
+            for (int k = 0; k < MAX_KEYS; k++) {
+                float sc = dots[g][k] * kscale[j + k];
+                if (!x_f32) sc = round_bf16(sc);
+                scores[g * len + j + k] = sc * sm_scale;
+            }
+    }
+    for (; j < n; j++) {
+        dot_tile(qf, d, rows + j, kind, nh, 1, dots);
+        for (int g = 0; g < nh; g++) {
+            float sc = dots[g][0] * kscale[j];
+            if (!x_f32) sc = round_bf16(sc);
+            scores[g * len + j] = sc * sm_scale;
+        }
+    }
+}
+
+// The weighted sum of n cached value rows for NH heads into acc [NH, d].
+static inline __attribute__((always_inline)) void sum_values(
+    const float* w, int64_t stride, const char* const* rows, int64_t n, int kind, int nh,
+    float* acc, int64_t d) {
+    // ROWS rows at a time through every tile of the head dim, so that a float32 context
+    // longer than the L2 cache is read from memory once, not once per tile
+    const int64_t row_bytes = d * (kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1);
+    for (int64_t j0 = 0; j0 < n; j0 += ROWS) {
+        const int64_t m = n - j0 < ROWS ? n - j0 : ROWS;
+        for (int64_t j = j0 + AHEAD; j < j0 + AHEAD + m && j < n; j++)
+            prefetch_row(rows[j], row_bytes);
+        int64_t c0 = 0;
+        for (; c0 + 8 * MAX_CHUNKS <= d; c0 += 8 * MAX_CHUNKS)
+            value_tile(w + j0, stride, rows + j0, m, kind, c0, nh, MAX_CHUNKS, acc, d);
+        for (; c0 < d; c0 += 8) value_tile(w + j0, stride, rows + j0, m, kind, c0, nh, 1, acc, d);
+    }
+}
+
+// One (sequence, KV head)'s cached keys and values for a constant kind (after inlining) and
+// head count: the scores of the first n keys into scores [group, len], the weighted values
+// (weights `w`, scaled probabilities) into acc.
+#define HEADS_SWITCH(nh, CALL) \
+    switch (nh) {              \
+        case 1: CALL(1); break; \
+        case 2: CALL(2); break; \
+        default: CALL(3); break; \
+    }
+
+static inline __attribute__((always_inline)) void score_all(
+    const float* qf, int64_t d, const char* const* rows, const float* kscale, int64_t n,
+    int kind, int64_t group, int x_f32, float sm_scale, float* scores, int64_t len) {
+    for (int64_t g0 = 0; g0 < group; g0 += MAX_HEADS) {
+        const int64_t nh = group - g0 < MAX_HEADS ? group - g0 : MAX_HEADS;
+#define SCORE(NH) \
+    score_keys(qf + g0 * d, d, rows, kscale, n, kind, NH, x_f32, sm_scale, scores + g0 * len, len)
+        HEADS_SWITCH(nh, SCORE)
+#undef SCORE
+    }
+}
+
+static inline __attribute__((always_inline)) void values_all(
+    const float* w, int64_t stride, const char* const* rows, int64_t n, int kind, int64_t group,
+    float* acc, int64_t d) {
+    for (int64_t g0 = 0; g0 < group; g0 += MAX_HEADS) {
+        const int64_t nh = group - g0 < MAX_HEADS ? group - g0 : MAX_HEADS;
+#define VALUES(NH) sum_values(w + g0 * stride, stride, rows, n, kind, NH, acc + g0 * d, d)
+        HEADS_SWITCH(nh, VALUES)
+#undef VALUES
+    }
+}
+
+static void score_cached(const float* qf, int64_t d, const char* const* rows,
+                         const float* kscale, int64_t n, int kind, int64_t group, int x_f32,
+                         float sm_scale, float* scores, int64_t len) {
+    switch (kind) {  // one copy of the loops per cache dtype: load8's branch folds away
+        case KV_F32: score_all(qf, d, rows, kscale, n, KV_F32, group, x_f32, sm_scale, scores, len); break;
+        case KV_BF16: score_all(qf, d, rows, kscale, n, KV_BF16, group, x_f32, sm_scale, scores, len); break;
+        case KV_E4M3: score_all(qf, d, rows, kscale, n, KV_E4M3, group, x_f32, sm_scale, scores, len); break;
+        default: score_all(qf, d, rows, kscale, n, KV_E5M2, group, x_f32, sm_scale, scores, len); break;
+    }
+}
+
+static void sum_cached(const float* w, int64_t stride, const char* const* rows, int64_t n,
+                       int kind, int64_t group, float* acc, int64_t d) {
+    switch (kind) {
+        case KV_F32: values_all(w, stride, rows, n, KV_F32, group, acc, d); break;
+        case KV_BF16: values_all(w, stride, rows, n, KV_BF16, group, acc, d); break;
+        case KV_E4M3: values_all(w, stride, rows, n, KV_E4M3, group, acc, d); break;
+        default: values_all(w, stride, rows, n, KV_E5M2, group, acc, d); break;
+    }
+}
+
 // q: [B, H, D] (query rows of the decode sequences); cache: [KVH, NB, BS, D]; scales:
 // [KVH, NB, BS] bf16 (FP8 only); table: [B, table_stride]; seq_lens: [B]. Tail (new_k NULL:
 // none): new_k/new_v [B, KVH, D] tail values of each sequence's newest token; res_k/res_v
@@ -142,56 +313,53 @@ void infer8_decode_attention(
         const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
         const int64_t len = seq_lens[b];
         if (len <= 0) continue;  // callers pass real sequences only
-        float* qf = malloc(sizeof(float) * (group * d + group * len + group * d + d));
+        // the newest token's tail value replaces its block value: n cached rows are read
+        const int64_t n = new_k != NULL ? len - 1 : len;
+        float* qf = malloc(sizeof(float) * (group * d + 2 * group * len + group * d + d + 2 * len) +
+                           2 * sizeof(const char*) * len);
         float* scores = qf + group * d;
-        float* acc = scores + group * len;
+        float* w = scores + group * len;  // probabilities times each value row's scale
+        float* acc = w + group * len;
         float* row = acc + group * d;  // one converted row (the tail's values)
+        float* ks = row + d;           // per-row scales (1 unless FP8)
+        float* vs = ks + len;
+        const char** krows = (const char**)(vs + len);
+        const char** vrows = krows + len;
         for (int64_t g = 0; g < group; g++)
             for (int64_t i = 0; i < d; i++) {
                 int64_t at = (b * num_heads + h * group + g) * d + i;
                 qf[g * d + i] = x_f32 ? ((const float*)q)[at] : bf16_to_f32(((const uint16_t*)q)[at]);
             }
         const int64_t* trow = table + b * table_stride;
-        // scores
-        for (int64_t j = 0; j < len; j++) {
-            const int64_t blk = trow[j / block_size], off = j % block_size;
-            const int64_t slot = (h * num_blocks + blk) * block_size + off;
-            const char* krow = (const char*)k_cache + slot * d * elem;
-            float ks = is_fp8 ? bf16_to_f32(k_scale[slot]) : 1.0f;
-            int fresh = new_k != NULL && j == len - 1;
-            if (fresh) {  // the newest token's tail value, not its block value
-                for (int64_t i = 0; i < d; i++) {
-                    int64_t at = (b * num_kv_heads + h) * d + i;
-                    row[i] = x_f32 ? ((const float*)new_k)[at] : bf16_to_f32(((const uint16_t*)new_k)[at]);
-                }
-                ks = 1.0f;
-            }
-            const float* kf = row;  // the key as floats: converted once for all query heads
-            if (!fresh && kind == KV_F32)
-                kf = (const float*)krow;
-            else if (!fresh)
-                for (int64_t i = 0; i < d; i += 8) {
-                    v8f kv = load8(krow, i, kind);
-                    memcpy(row + i, &kv, 32);
-                }
-            for (int64_t g = 0; g < group; g++) {
-                v8f s = {0};
-                for (int64_t i = 0; i < d; i += 8) {
-                    v8f kv, qv;
-                    memcpy(&kv, kf + i, 32);
-                    memcpy(&qv, qf + g * d + i, 32);
-                    s += qv * kv;
-                }
-                float sc = hsum(s) * ks;
-                if (!x_f32) sc = round_bf16(sc);
-                scores[g * len + j] = sc * sm_scale;
+        // E4M3 rows are widened as value / 256 (load8_as): the exact 256 goes into the scale
+        const float unit = kind == KV_E4M3 ? 256.0f : 1.0f;
+        for (int64_t j0 = 0; j0 < n; j0 += block_size) {
+            const int64_t first = (h * num_blocks + trow[j0 / block_size]) * block_size;
+            const int64_t stop = n - j0 < block_size ? n - j0 : block_size;
+            for (int64_t off = 0; off < stop; off++) {
+                const int64_t j = j0 + off, slot = first + off;
+                krows[j] = (const char*)k_cache + slot * d * elem;
+                vrows[j] = (const char*)v_cache + slot * d * elem;
+                ks[j] = is_fp8 ? bf16_to_f32(k_scale[slot]) * unit : 1.0f;
+                vs[j] = is_fp8 ? bf16_to_f32(v_scale[slot]) * unit : 1.0f;
             }
         }
+        // scores
+        score_cached(qf, d, krows, ks, n, kind, group, x_f32, sm_scale, scores, len);
+        if (n < len) {  // the newest token's tail key, as written by the model
+            for (int64_t i = 0; i < d; i++) {
+                int64_t at = (b * num_kv_heads + h) * d + i;
+                row[i] = x_f32 ? ((const float*)new_k)[at] : bf16_to_f32(((const uint16_t*)new_k)[at]);
+            }
+            const char* fresh = (const char*)row;
+            float one = 1.0f;
+            score_cached(qf, d, &fresh, &one, 1, KV_F32, group, x_f32, sm_scale, scores + n, len);
+        }
         // tail corrections: q.r at each valid tail position
-        for (int64_t w = 0; w < width; w++) {
-            if (valid[b * width + w] == 0.0f) continue;
-            const int64_t p = pos[b * width + w];
-            const int64_t at = (h * res_rows + b * width + w) * d;
+        for (int64_t t = 0; t < width; t++) {
+            if (valid[b * width + t] == 0.0f) continue;
+            const int64_t p = pos[b * width + t];
+            const int64_t at = (h * res_rows + b * width + t) * d;
             for (int64_t i = 0; i < d; i += 8) {
                 v8f r = load8(x_f32 ? (const void*)((const float*)res_k + at)
                                     : (const void*)((const uint16_t*)res_k + at),
@@ -215,8 +383,21 @@ void infer8_decode_attention(
         for (int64_t g = 0; g < group; g++) {
             float* sg = scores + g * len;
             float m = -INFINITY, sum = 0.0f;
-            for (int64_t j = 0; j < len; j++) m = sg[j] > m ? sg[j] : m;
             int64_t j = 0;
+            v8f vm = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                      -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+            for (; j + 8 <= len; j += 8) {  // lane maxima: no serial compare chain
+                v8f x;
+                memcpy(&x, sg + j, 32);
+                v8i more = x > vm, xb, mb;
+                memcpy(&xb, &x, 32);
+                memcpy(&mb, &vm, 32);
+                mb = (xb & more) | (mb & ~more);
+                memcpy(&vm, &mb, 32);
+            }
+            for (int l = 0; l < 8; l++) m = vm[l] > m ? vm[l] : m;
+            for (; j < len; j++) m = sg[j] > m ? sg[j] : m;
+            j = 0;
             v8f vsum = {0};
             for (; j + 8 <= len; j += 8) {
                 v8f x;
@@ -235,41 +416,24 @@ void infer8_decode_attention(
             for (int64_t j = 0; j < len; j++) {
                 sg[j] *= inv;
                 if (!x_f32) sg[j] = round_bf16(sg[j]);
+                w[g * len + j] = j < n ? sg[j] * vs[j] : sg[j];
             }
         }
         // values
         memset(acc, 0, sizeof(float) * group * d);
-        for (int64_t j = 0; j < len; j++) {
-            const int64_t blk = trow[j / block_size], off = j % block_size;
-            const int64_t slot = (h * num_blocks + blk) * block_size + off;
-            const char* vrow = (const char*)v_cache + slot * d * elem;
-            float vs = is_fp8 ? bf16_to_f32(v_scale[slot]) : 1.0f;
-            int fresh = new_v != NULL && j == len - 1;
-            if (fresh) {
-                for (int64_t i = 0; i < d; i++) {
-                    int64_t at = (b * num_kv_heads + h) * d + i;
-                    row[i] = x_f32 ? ((const float*)new_v)[at] : bf16_to_f32(((const uint16_t*)new_v)[at]);
-                }
-                vs = 1.0f;
+        sum_cached(w, len, vrows, n, kind, group, acc, d);
+        if (n < len) {  // the newest token's tail value
+            for (int64_t i = 0; i < d; i++) {
+                int64_t at = (b * num_kv_heads + h) * d + i;
+                row[i] = x_f32 ? ((const float*)new_v)[at] : bf16_to_f32(((const uint16_t*)new_v)[at]);
             }
-            for (int64_t i = 0; i < d; i += 8) {
-                v8f vv;
-                if (fresh)
-                    memcpy(&vv, row + i, 32);
-                else
-                    vv = load8(vrow, i, kind);
-                for (int64_t g = 0; g < group; g++) {
-                    v8f a;
-                    memcpy(&a, acc + g * d + i, 32);
-                    a += (scores[g * len + j] * vs) * vv;
-                    memcpy(acc + g * d + i, &a, 32);
-                }
-            }
+            const char* fresh = (const char*)row;
+            sum_cached(w + n, len, &fresh, 1, KV_F32, group, acc, d);
         }
-        for (int64_t w = 0; w < width; w++) {  // p.r at each valid tail position
-            if (valid[b * width + w] == 0.0f) continue;
-            const int64_t p = pos[b * width + w];
-            const int64_t at = (h * res_rows + b * width + w) * d;
+        for (int64_t t = 0; t < width; t++) {  // p.r at each valid tail position
+            if (valid[b * width + t] == 0.0f) continue;
+            const int64_t p = pos[b * width + t];
+            const int64_t at = (h * res_rows + b * width + t) * d;
             for (int64_t i = 0; i < d; i += 8) {
                 v8f r = load8(x_f32 ? (const void*)((const float*)res_v + at)
                                     : (const void*)((const uint16_t*)res_v + at),

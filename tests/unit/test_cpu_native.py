@@ -121,12 +121,20 @@ def test_write_fp8_stores_what_the_torch_write_stores(
         (torch.float8_e4m3fn, torch.bfloat16),
     ],
 )
+@pytest.mark.parametrize("kvh, group, d", [(3, 3, 64), (2, 4, 128), (1, 8, 72), (4, 1, 64)])
 def test_decode_attention_matches_the_torch_decode(
-    native: NativeFP8Gather, cache_dtype: torch.dtype, dtype: torch.dtype
+    native: NativeFP8Gather,
+    cache_dtype: torch.dtype,
+    dtype: torch.dtype,
+    kvh: int,
+    group: int,
+    d: int,
 ) -> None:
-    """Blocks read in place (ragged lengths, permuted blocks, GQA 3), no gathered copy."""
+    """Blocks read in place (ragged lengths, permuted blocks), no gathered copy. The kernel
+    tiles query heads by 3 and head dims by 16: GQA 3 (the default model), 4, 8 and none,
+    head dims 64, 128 and 72 (a partial tile) cover each remainder."""
     torch.manual_seed(0)
-    kvh, group, d, bs = 3, 3, 64, 16
+    bs = 16
     cache = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, cache_dtype), 40, torch.device("cpu"))[0]
     lens = [1, 15, 16, 17, 70, 130]
     perm = torch.randperm(39).add(1).tolist()

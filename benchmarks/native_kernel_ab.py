@@ -1,0 +1,166 @@
+"""The native CPU kernels of a git revision against this tree's, in one process, alternating.
+
+    python benchmarks/native_kernel_ab.py --base ea45767                    # decode attention calls
+    python benchmarks/native_kernel_ab.py --base ea45767 --engine           # engine decode steps
+    python benchmarks/native_kernel_ab.py --base ea45767 --engine --prompt-len 2048 --batch 8
+
+The base revision's infer8/csrc sources are compiled into a second library (git show, the same
+flags). Kernel mode calls both libraries' decode attention in turn on the same paged cache
+(contiguous blocks, 3 KV heads x GQA 3 x 64 dims, the default model's layer), reading a 64 MB
+buffer before each call so that the cache comes from memory as in a model step, where the
+weights evict it. Engine mode builds one engine per (KV dtype, library), float32 compute, and
+steps them in turn; it prints the median step and the time inside the decode attention calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from infer8.attention import cpu_native
+from infer8.attention.metadata import build_attention_metadata
+from infer8.attention.torch_ref import TorchRefAttention
+from infer8.config import EngineArgs
+from infer8.engine import LLMEngine
+from infer8.sampling_params import SamplingParams
+from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def base_library(rev: str, out: Path) -> Path:
+    """Compile revision `rev`'s native sources; return the library."""
+    src = out / "csrc"
+    src.mkdir(parents=True, exist_ok=True)
+    sources = []
+    for path in cpu_native._SOURCES:
+        rel = path.relative_to(REPO).as_posix()
+        text = subprocess.run(
+            ["git", "show", f"{rev}:{rel}"], cwd=REPO, check=True, capture_output=True
+        ).stdout
+        (src / path.name).write_bytes(text)
+        sources.append(src / path.name)
+    saved = cpu_native._SOURCES
+    cpu_native._SOURCES = tuple(sources)
+    try:
+        return cpu_native.build_library(out / "lib")
+    finally:
+        cpu_native._SOURCES = saved
+
+
+def kernel(libs: dict[str, cpu_native.NativeFP8Gather], calls: int) -> None:
+    torch.manual_seed(0)
+    kvh, group, d, bs = 3, 3, 64, 16
+    evict = torch.ones(16 << 20)
+    cpu = torch.device("cpu")
+    for batch, ctx in ((32, 170), (8, 2100), (32, 2100)):
+        for dtype in (torch.float32, torch.float8_e4m3fn):
+            num_blocks = batch * -(-ctx // bs) + 1
+            cache = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, dtype), num_blocks, cpu)[0]
+            ids = list(range(1, num_blocks))
+            blocks = [ids[i * -(-ctx // bs) : (i + 1) * -(-ctx // bs)] for i in range(batch)]
+            full = build_attention_metadata([ctx] * batch, [0] * batch, blocks, bs, cpu)
+            k = torch.randn(full.num_real_tokens, kvh, d)
+            TorchRefAttention().write_kv(cache, k, torch.randn_like(k), full.slot_mapping)
+            meta = build_attention_metadata([1] * batch, [ctx - 1] * batch, blocks, bs, cpu)
+            q = torch.randn(batch, kvh * group, d)
+            lens = torch.full((batch,), ctx)
+            times: dict[str, list[float]] = {name: [] for name in libs}
+            for _ in range(calls):
+                for name, lib in libs.items():
+                    evict.sum()
+                    t0 = time.perf_counter()
+                    lib.decode_attention(q, cache, meta.decode_block_tables, lens, d**-0.5)
+                    times[name].append(time.perf_counter() - t0)
+            base, head = (statistics.median(times[n]) * 1e3 for n in ("base", "head"))
+            print(
+                f"batch {batch}, context {ctx}, {str(dtype)[6:]} cache: base {base:.3f} ms, "
+                f"this tree {head:.3f} ms per layer ({head / base:.2f}x)"
+            )
+
+
+def engine_steps(
+    libs: dict[str, cpu_native.NativeFP8Gather], batch: int, prompt_len: int, steps: int
+) -> None:
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    runs = []
+    for kv in ("auto", "fp8_e4m3"):
+        for name, lib in libs.items():
+            engine = LLMEngine(
+                EngineArgs(
+                    dtype="float32",
+                    kv_cache_dtype=kv,
+                    max_num_seqs=batch,
+                    kv_cache_memory_bytes=max(1 << 29, batch * (prompt_len + steps + 80) * 50_000),
+                    enable_prefix_caching=False,
+                )
+            )
+            backend = engine.executor.driver_worker.attn_backend  # type: ignore[attr-defined]
+            inside: list[float] = []
+
+            def timed(*args, _call=lib.decode_attention, _out=inside, **kwargs):  # type: ignore[no-untyped-def]
+                t0 = time.perf_counter()
+                result = _call(*args, **kwargs)
+                _out.append(time.perf_counter() - t0)
+                return result
+
+            backend._native = _Timed(lib, timed)
+            for i in range(batch):
+                engine.add_request([(i * 7 + j) % 30000 + 100 for j in range(prompt_len)], params)
+            for _ in range(-(-batch * prompt_len // 2048) + 2):  # the prefill, two decodes
+                engine.step()
+            runs.append((f"{kv} cache, {name}", engine, [], inside))
+    for _ in range(steps):
+        for _, engine, times, _ in runs:
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+    for label, _, times, inside in runs:
+        print(
+            f"{label}: step {statistics.median(times) * 1e3:.1f} ms, "
+            f"decode attention {sum(inside[-steps * 30 :]) / steps * 1e3:.1f} ms per step"
+        )
+
+
+class _Timed:
+    """A library whose decode_attention is timed; every other call goes to the library."""
+
+    def __init__(self, lib: cpu_native.NativeFP8Gather, decode_attention) -> None:  # type: ignore[no-untyped-def]
+        self._lib = lib
+        self.decode_attention = decode_attention
+
+    def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self._lib(*args, **kwargs)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._lib, name)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--base", required=True, help="git revision whose kernels are the baseline")
+    p.add_argument("--engine", action="store_true", help="time engine decode steps")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--calls", type=int, default=60)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {
+            "base": cpu_native.NativeFP8Gather(base_library(args.base, Path(tmp))),
+            "head": cpu_native.NativeFP8Gather(cpu_native.build_library()),
+        }
+        if args.engine:
+            engine_steps(libs, args.batch, args.prompt_len, args.steps)
+        else:
+            kernel(libs, args.calls)
+
+
+if __name__ == "__main__":
+    main()
