@@ -28,7 +28,12 @@ from infer8.quant import fp8
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = (_CSRC / "fp8_gather.c", _CSRC / "decode_attention.c", _CSRC / "hadamard.c")
+_SOURCES = (
+    _CSRC / "fp8_gather.c",
+    _CSRC / "decode_attention.c",
+    _CSRC / "hadamard.c",
+    _CSRC / "elementwise.c",
+)
 # -fno-trapping-math: no FP exception is ever observed, so branch-free selects vectorize (the
 # values are IEEE's either way; no -ffast-math, which would change them)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
@@ -108,6 +113,18 @@ class NativeFP8Gather:
         hadamard.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_int, p]
         hadamard.restype = None
         self._hadamard = hadamard
+        rms_norm = lib.infer8_rms_norm
+        rms_norm.argtypes = [p, i64, p, p, i64, i64, ctypes.c_float, p]
+        rms_norm.restype = None
+        self._rms_norm = rms_norm
+        silu_and_mul = lib.infer8_silu_and_mul
+        silu_and_mul.argtypes = [p, i64, i64, p]
+        silu_and_mul.restype = None
+        self._silu_and_mul = silu_and_mul
+        rope = lib.infer8_rope
+        rope.argtypes = [p, i64, i64, i64, i64, p, p]
+        rope.restype = None
+        self._rope = rope
         self._ones: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -313,3 +330,42 @@ class NativeFP8Gather:
             out.data_ptr(),
         )  # fmt: skip
         return out
+
+    # -- the layer's element-wise passes (csrc/elementwise.c), float32 CPU tensors ----------
+    @staticmethod
+    def elementwise_supported(x: torch.Tensor) -> bool:
+        """Return whether rms_norm / silu_and_mul / rope_ run on x (float32, CPU)."""
+        return x.dtype == torch.float32 and x.device.type == "cpu"
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Return weight * x / sqrt(mean(x^2) + eps) over x's rows [n, h]; with `add`, x += add
+        first, in place (x rows may be strided, the last dim contiguous)."""
+        n, h = x.shape
+        assert x.stride(1) == 1 and weight.is_contiguous() and weight.dtype == torch.float32
+        if add is not None:
+            add = add.contiguous()
+            assert add.shape == x.shape and add.dtype == torch.float32
+        out = torch.empty((n, h), dtype=torch.float32)
+        self._rms_norm(
+            x.data_ptr(), x.stride(0), None if add is None else add.data_ptr(),
+            weight.data_ptr(), n, h, eps, out.data_ptr(),
+        )  # fmt: skip
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Return silu(gate) * up for gate_up [n, 2 * inter] (gate first): [n, inter]."""
+        gate_up = gate_up.contiguous()
+        n, width = gate_up.shape
+        out = torch.empty((n, width // 2), dtype=torch.float32)
+        self._silu_and_mul(gate_up.data_ptr(), n, width // 2, out.data_ptr())
+        return out
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [n, heads, d] in place (rotate_half convention) by cos, sin [n, d / 2]."""
+        n, heads, d = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == d and cos.shape == (n, d // 2)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        self._rope(x.data_ptr(), x.stride(0), n, heads, d, cos.data_ptr(), sin.data_ptr())
+        return x

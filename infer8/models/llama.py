@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer8.attention.backend import AttentionBackend
+from infer8.attention.cpu_native import NativeFP8Gather
 from infer8.attention.metadata import AttentionMetadata
 from infer8.attention.torch_ref import TorchRefAttention
 from infer8.distributed.layers import lm_head, row_parallel_linear, vocab_embedding
@@ -141,9 +142,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
+        self.kernels: NativeFP8Gather | None = None  # CPU float32: one native pass
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalize the last dim."""
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalize the last dim; with `add`, first x += add in place (the residual stream)."""
+        if self.kernels is not None and self.kernels.elementwise_supported(x) and x.dim() == 2:
+            return self.kernels.rms_norm(x, self.weight, self.eps, add)
+        if add is not None:
+            x.add_(add)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -165,6 +171,7 @@ class Attention(nn.Module):
         self.o_proj = row_parallel_linear(self.q_size, cfg.hidden_size, tp_group)
         self.scale = self.head_dim**-0.5
         self.backend: AttentionBackend = TorchRefAttention()
+        self.kernels: NativeFP8Gather | None = None  # CPU float32: RoPE in one native pass
 
     def forward(
         self,
@@ -178,7 +185,11 @@ class Attention(nn.Module):
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotate in one pass (half the small elementwise ops of a decode step)
-        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.kernels is not None and self.kernels.elementwise_supported(qk):
+            qk = self.kernels.rope_(qk, cos.view(t, -1), sin.view(t, -1))
+        else:
+            qk = apply_rope(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         n = meta.num_real_tokens
@@ -207,10 +218,14 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = row_parallel_linear(cfg.intermediate_size, cfg.hidden_size, tp_group)
+        self.kernels: NativeFP8Gather | None = None  # CPU float32: silu(gate) * up in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply silu(gate) * up, then project down."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and self.kernels.elementwise_supported(gate_up):
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -227,14 +242,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        pending: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: AttentionMetadata,
         cache: LayerKVCache,
-    ) -> torch.Tensor:
-        """Run one layer with residual connections."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one layer on the residual stream x (updated in place).
+
+        `pending` is the previous layer's MLP output, not yet added to x: each residual add
+        happens inside the next norm's pass (vLLM's fused add + RMSNorm). Returns x and this
+        layer's MLP output, pending in turn.
+        """
+        h = self.input_layernorm(x, pending)
+        h = self.post_attention_layernorm(x, self.self_attn(h, cos, sin, meta, cache))
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -263,6 +285,13 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.backend = backend
 
+    def set_cpu_kernels(self, kernels: NativeFP8Gather) -> None:
+        """Run RMSNorm (with the residual add), RoPE and silu * up natively on float32 CPU
+        tensors (csrc/elementwise.c): one pass each instead of several torch ops."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.kernels = kernels
+
     def rope_tables(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         """Precompute cos/sin for positions [0, max_positions) on the model's device."""
         pos = torch.arange(max_positions, dtype=torch.float64, device="cpu") * self._pos_scale
@@ -278,12 +307,13 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[LayerKVCache],
     ) -> torch.Tensor:
         """Return final hidden states [num_tokens, hidden] for input_ids [num_tokens]."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)  # a fresh tensor: the layers add to it in place
         cos = self.cos_table[positions].unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
         sin = self.sin_table[positions].unsqueeze(1)
+        pending = None
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, cache)
-        return self.norm(x)
+            x, pending = layer(x, pending, cos, sin, meta, cache)
+        return self.norm(x, pending)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Return float32 logits [n, vocab] for hidden states [n, hidden]."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer8.attention import select_backend, tail_kernels_available
+from infer8.attention.cpu_native import NativeFP8Gather
 from infer8.attention.exact_tail import describe_exact_tail, resolve_exact_tail
 from infer8.config import EngineArgs, ModelConfig, SchedulerConfig
 from infer8.core.kv_cache_manager import cdiv
@@ -69,6 +70,10 @@ class Worker:
 
             quantize_model_weights(model, use_scaled_mm=supports_scaled_mm(device))
         self.packed_linear_layers = self._pack_cpu_weights(model, model_config, scheduler_config)
+        if model_config.device.type == "cpu" and model_config.dtype == torch.float32:
+            kernels = NativeFP8Gather.load()  # built once per machine; None without a compiler
+            if kernels is not None:
+                model.set_cpu_kernels(kernels)
         arch = model.config
         kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
         tail = resolve_exact_tail(

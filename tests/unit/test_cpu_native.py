@@ -200,3 +200,49 @@ def test_dense_and_split_tail_prefill_agree_over_the_schedule() -> None:
     for step, got, want, _, _ in run_schedule(split, dense, torch.float32, False, cpu):
         rel = ((got - want).norm() / want.norm()).item()
         assert rel < 1e-6, (step, rel)
+
+
+@pytest.mark.parametrize("rows, h", [(1, 576), (37, 576), (300, 77)])
+def test_rms_norm_with_the_residual_add_matches_torch(
+    native: NativeFP8Gather, rows: int, h: int
+) -> None:
+    """One pass: x += add in place, then the norm of the sum; x's rows may be strided."""
+    from infer8.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(h, 1e-5)
+    norm.weight.copy_(torch.randn(h))
+    base = torch.randn(rows, h + 5) * 4
+    x, add = base[:, :h], torch.randn(rows, h)
+    want_x = x + add
+    want = norm(want_x.clone())
+    got = native.rms_norm(x, norm.weight, 1e-5, add)
+    assert torch.equal(x, want_x)  # the residual stream, updated in place
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(native.rms_norm(x, norm.weight, 1e-5), want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("inter", [1536, 77])
+def test_silu_and_mul_matches_torch(native: NativeFP8Gather, inter: int) -> None:
+    torch.manual_seed(0)
+    gate_up = torch.randn(33, 2 * inter) * 8
+    gate_up[0, :8] = torch.tensor([-200.0, -88.0, -30.0, -1e-30, 0.0, 1e-30, 30.0, 200.0])
+    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    got = native.silu_and_mul(gate_up)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
+
+
+def test_rope_in_place_matches_apply_rope(native: NativeFP8Gather) -> None:
+    """q and k heads of a fused projection's output (a strided view), rotated in place."""
+    from infer8.models.llama import apply_rope
+
+    torch.manual_seed(0)
+    qkv = torch.randn(19, (9 + 3 + 3) * 64)
+    qk = qkv[:, : 12 * 64].view(19, 12, 64)
+    cos, sin = torch.randn(19, 32), torch.randn(19, 32)
+    want = apply_rope(qk.clone(), cos[:, None], sin[:, None])
+    v_before = qkv[:, 12 * 64 :].clone()
+    got = native.rope_(qk, cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(qk, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, 12 * 64 :], v_before)  # V untouched
