@@ -22,6 +22,7 @@ from infer8.core.kv_cache_manager import cdiv
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.distributed.sharding import TensorParallelShard
+from infer8.host_memory import HostMemory
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.models.loader import load_model
 from infer8.quant import fp8, kv_scales
@@ -70,6 +71,8 @@ class Worker:
 
             quantize_model_weights(model, use_scaled_mm=supports_scaled_mm(device))
         self.packed_linear_layers = self._pack_cpu_weights(model, model_config, scheduler_config)
+        if model_config.device.type == "cpu":  # steps' large activations reuse heap blocks
+            HostMemory().reuse_large_blocks()
         if model_config.device.type == "cpu" and model_config.dtype == torch.float32:
             kernels = NativeFP8Gather.load()  # built once per machine; None without a compiler
             if kernels is not None:
