@@ -33,9 +33,11 @@ _SOURCES = (
     _CSRC / "decode_attention.c",
     _CSRC / "hadamard.c",
     _CSRC / "elementwise.c",
+    _CSRC / "band_attention.c",
 )
 # -fno-trapping-math: no FP exception is ever observed, so branch-free selects vectorize (the
 # values are IEEE's either way; no -ffast-math, which would change them)
+_HEADERS = (_CSRC / "simd.h",)  # included by the sources: part of the build's hash
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -49,7 +51,7 @@ def _cache_dir() -> Path:
 
 def build_library(out_dir: Path | None = None) -> Path:
     """Compile the kernel (once per source version and host) and return the .so path."""
-    source = b"".join(src.read_bytes() for src in _SOURCES)
+    source = b"".join(src.read_bytes() for src in (*_SOURCES, *_HEADERS))
     tag = hashlib.sha256(source + os.uname().machine.encode() + " ".join(_FLAGS).encode())
     tag = tag.hexdigest()[:16]
     out_dir = out_dir or _cache_dir()
@@ -125,6 +127,10 @@ class NativeFP8Gather:
         rope.argtypes = [p, i64, i64, i64, i64, p, p]
         rope.restype = None
         self._rope = rope
+        band = lib.infer8_band_attention
+        band.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p]
+        band.restype = None
+        self._band = band
         self._ones: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -369,3 +375,26 @@ class NativeFP8Gather:
         cos, sin = cos.contiguous(), sin.contiguous()
         self._rope(x.data_ptr(), x.stride(0), n, heads, d, cos.data_ptr(), sin.data_ptr())
         return x
+
+    def band_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int,
+        valid_from: int,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (out [H, q_len, d], lse [H, q_len]) of split_prefill's band, float32 CPU:
+        query i sees keys i .. i + window - 1 of k, v [kvh, n, d], those below valid_from
+        excepted (a query that sees none: lse -inf, zeros)."""
+        num_heads, q_len, d = q.shape
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        assert q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == "cpu"
+        out = torch.empty_like(q)
+        lse = torch.empty((num_heads, q_len), dtype=torch.float32)
+        self._band(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), num_heads, num_heads // k.shape[0],
+            q_len, k.shape[1], d, window, valid_from, scale, out.data_ptr(), lse.data_ptr(),
+        )  # fmt: skip
+        return out, lse

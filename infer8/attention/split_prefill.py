@@ -12,8 +12,12 @@ out = sum_p exp(lse_p - lse) * out_p with lse = logsumexp_p lse_p.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from infer8.attention.cpu_native import NativeFP8Gather
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -54,11 +58,11 @@ def _range_part(q: torch.Tensor, part: KeyRange, scale: float) -> tuple[torch.Te
     if part.k.shape[1] == 0 or part.q_start >= q_len:
         return out, lse
     qs = q[:, part.q_start :]
-    keys, values = _expand(part.k, group), _expand(part.v, group)
-    if q.device.type == "cpu":
-        o, s = _flash(qs[None], keys, values, 0.0, part.causal, scale=scale)
+    if q.device.type == "cpu":  # the flash kernel reads KV head h // group itself (GQA)
+        o, s = _flash(qs[None], part.k[None], part.v[None], 0.0, part.causal, scale=scale)
         o, s = o[0], s[0]
     else:  # the reference backend on a GPU: the same numbers, computed explicitly
+        keys, values = _expand(part.k, group), _expand(part.v, group)
         scores = torch.einsum("hqd,hkd->hqk", qs.float(), keys[0].float()) * scale
         if part.causal:
             rows = torch.arange(qs.shape[1], device=q.device)[:, None]
@@ -115,14 +119,21 @@ def _band_part(
 
 
 def split_prefill_attention(
-    q: torch.Tensor, ranges: list[KeyRange], band: Band | None, scale: float
+    q: torch.Tensor,
+    ranges: list[KeyRange],
+    band: Band | None,
+    scale: float,
+    native: NativeFP8Gather | None = None,
 ) -> torch.Tensor:
     """Attend q [H, q_len, d] over key ranges and an optional band; [H, q_len, d].
 
-    Every query must see at least one key (a chunk's own token always does).
+    Every query must see at least one key (a chunk's own token always does). `native`: the
+    band in one C pass for float32 CPU tensors (csrc/band_attention.c).
     """
     parts = [_range_part(q, r, scale) for r in ranges]
-    if band is not None:
+    if band is not None and native is not None and q.dtype == torch.float32:
+        parts.append(native.band_attention(q, band.k, band.v, band.window, band.valid_from, scale))
+    elif band is not None:
         parts.append(_band_part(q, band, scale))
     lse = torch.logsumexp(torch.stack([s for _, s in parts]), dim=0)  # [H, q_len]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -28,6 +28,7 @@ from infer8.attention.split_prefill import (
 )
 
 if TYPE_CHECKING:
+    from infer8.attention.cpu_native import NativeFP8Gather
     from infer8.attention.exact_tail import TailMetadata
 
 # A prefill chunk with an exact tail attends densely (two_value_attention) up to this many
@@ -65,12 +66,14 @@ def sequence_attention(
     seq_id: int,
     scale: float,
     dense_max_len: int = DENSE_TAIL_MAX_LEN,
+    native: NativeFP8Gather | None = None,
 ) -> torch.Tensor:
     """Attend one sequence's chunk q [H, q_len, d] over its context with its tail.
 
     blocks: its K and V blocks dequantized ([kvh, seq_len, d]; this call's own copies, changed);
     residuals: the dequantized store rows read (TailMetadata); new: [q_len, kvh, d] tail values
-    of this step's K and V. Dense up to dense_max_len positions, by key ranges beyond.
+    of this step's K and V. Dense up to dense_max_len positions, by key ranges beyond;
+    `native` (float32 CPU) computes the band of the latter in C.
     """
     k, v = blocks
     seq_len, q_len = k.shape[1], q.shape[1]
@@ -87,7 +90,7 @@ def sequence_attention(
         exact, reads = dense_parts(k, v, seq_tail)
         return two_value_attention(q, (k, exact[0]), (v, exact[1]), reads, seq_len - q_len, scale)
     ranges, band = prefill_parts(k, v, seq_tail)
-    return split_prefill_attention(q, ranges, band, scale)
+    return split_prefill_attention(q, ranges, band, scale, native)
 
 
 def prefill_parts(

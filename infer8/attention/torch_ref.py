@@ -402,7 +402,7 @@ class TorchRefAttention:
                 assert new_kv is not None and residuals is not None
                 o = tail_prefill.sequence_attention(
                     qs, (k, v), residuals, (new_kv[0][start:end], new_kv[1][start:end]),
-                    tail, i, scale, self.dense_tail_max_len,
+                    tail, i, scale, self.dense_tail_max_len, self._native,
                 )  # fmt: skip
                 out[start:end] = o.transpose(0, 1)
                 continue

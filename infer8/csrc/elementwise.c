@@ -7,35 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-// e^x for x <= 0, 8 lanes (Cephes' expf, as in decode_attention.c)
-static inline v8f exp8_nonpos(v8f x) {
-    const v8f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
-    v8i below = x < lo, xb, lob;
-    memcpy(&xb, &x, 32);
-    memcpy(&lob, &lo, 32);
-    xb = (xb & ~below) | (lob & below);
-    memcpy(&x, &xb, 32);
-    v8f fx = x * 1.44269504088896341f + 0.5f;
-    v8i n = __builtin_convertvector(fx, v8i);
-    v8f nf = __builtin_convertvector(n, v8f);
-    v8i fix = nf > fx;
-    n += fix;
-    nf = __builtin_convertvector(n, v8f);
-    x = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v8f y = 1.9875691500e-4f * x + 1.3981999507e-3f;
-    y = y * x + 8.3334519073e-3f;
-    y = y * x + 4.1665795894e-2f;
-    y = y * x + 1.6666665459e-1f;
-    y = y * x + 5.0000001201e-1f;
-    y = y * x * x + x + 1.0f;
-    v8i bits = (n + 127) << 23;
-    v8f scale;
-    memcpy(&scale, &bits, 32);
-    return y * scale;
-}
+#include "simd.h"
 
 // Rows worth a thread each: below ~64 K elements the OpenMP fork costs more than it saves.
 #define PARALLEL_ELEMS 65536
@@ -90,7 +62,7 @@ void infer8_silu_and_mul(const float* gu, int64_t rows, int64_t inter, float* ou
             nb = gb | (int32_t)0x80000000;  // -|g|
             v8f minus_abs;
             memcpy(&minus_abs, &nb, 32);
-            v8f e = exp8_nonpos(minus_abs);  // e^-|g|, which is e^g where g < 0
+            v8f e = exp8(minus_abs);  // e^-|g|, which is e^g where g < 0
             const v8f one = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
             v8i eb, ob, numb;
             memcpy(&eb, &e, 32);

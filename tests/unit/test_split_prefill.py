@@ -76,3 +76,26 @@ def test_tail_parts_match_the_masked_rule(
     exact, reads = dense_parts(kb.clone(), vb.clone(), seq_tail)
     dense = two_value_attention(q, (kb, exact[0]), (vb, exact[1]), reads, s0, 0.3)
     assert (dense - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("q_len, window, valid_from", [(200, 24, 0), (70, 24, 30), (5, 8, 11)])
+def test_native_band_matches_the_torch_band(q_len: int, window: int, valid_from: int) -> None:
+    """The C band (float32 CPU) against _band_part: outputs and log-sum-exps, GQA 3; rows
+    that see no key (valid_from past their window) get -inf and zeros in both."""
+    from infer8.attention.cpu_native import NativeFP8Gather, build_library
+    from infer8.attention.split_prefill import Band, _band_part
+
+    native = NativeFP8Gather(build_library())
+    torch.manual_seed(0)
+    kvh, group, d = 3, 3, 64
+    q = torch.randn(kvh * group, q_len, d)
+    k = torch.randn(kvh, q_len + window - 1, d) * 2
+    v = torch.randn(kvh, q_len + window - 1, d)
+    band = Band(k, v, window, valid_from)
+    want_out, want_lse = _band_part(q, band, 0.125)
+    got_out, got_lse = native.band_attention(q, k, v, window, valid_from, 0.125)
+    unseen = want_lse == -float("inf")
+    assert torch.equal(got_lse == -float("inf"), unseen)
+    assert unseen.any() == (valid_from >= window)
+    torch.testing.assert_close(got_lse[~unseen], want_lse[~unseen], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)

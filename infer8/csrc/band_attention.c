@@ -1,0 +1,77 @@
+// The band of a prefill chunk with an FP8 cache's exact tail (split_prefill.py's Band), for
+// float32 CPU tensors: query i of the chunk sees band keys i .. i + W - 1 (those below
+// valid_from excepted), in their exact values. One pass per (query head, query): W dot
+// products, their log-sum-exp, the weighted values; the torch form pads queries into blocks,
+// unfolds the keys and runs ~10 element-wise passes over [blocks, B, B + W - 1] scores.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+// q [H, L, d]; k, v [KVH, n, d] (n >= L + W - 1); query head h reads KV head h / group.
+// out [H, L, d], lse [H, L]: a query that sees no key gets lse = -inf and a zero row.
+void infer8_band_attention(const float* q, const float* k, const float* v, int64_t num_heads,
+                           int64_t group, int64_t q_len, int64_t n, int64_t d, int64_t window,
+                           int64_t valid_from, float scale, float* out, float* lse) {
+#pragma omp parallel
+    {
+        float* s = malloc(sizeof(float) * (window + 8));
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < num_heads * q_len; row++) {
+            const int64_t h = row / q_len, i = row % q_len;
+            const float* qr = q + row * d;
+            const float* kh = k + (h / group) * n * d;
+            const float* vh = v + (h / group) * n * d;
+            float* o = out + row * d;
+            const int64_t first = i > valid_from ? i : valid_from;  // band keys first .. last
+            const int64_t last = i + window - 1 < n - 1 ? i + window - 1 : n - 1;
+            const int64_t count = last - first + 1;
+            memset(o, 0, sizeof(float) * d);
+            if (count <= 0) {
+                lse[row] = -INFINITY;
+                continue;
+            }
+            float m = -INFINITY;
+            for (int64_t t = 0; t < count; t++) {
+                const float* kr = kh + (first + t) * d;
+                v8f acc = {0};
+                int64_t c = 0;
+                for (; c + 8 <= d; c += 8) {
+                    v8f a, b;
+                    memcpy(&a, qr + c, 32);
+                    memcpy(&b, kr + c, 32);
+                    acc += a * b;
+                }
+                float dot = hsum(acc);
+                for (; c < d; c++) dot += qr[c] * kr[c];
+                s[t] = dot * scale;
+                m = s[t] > m ? s[t] : m;
+            }
+            float sum = 0.0f;
+            int64_t t = 0;
+            for (; t + 8 <= count; t += 8) {
+                v8f x;
+                memcpy(&x, s + t, 32);
+                x = exp8(x - m);
+                memcpy(s + t, &x, 32);
+                sum += hsum(x);
+            }
+            for (; t < count; t++) {
+                v8f x = {s[t] - m};
+                s[t] = exp8(x)[0];
+                sum += s[t];
+            }
+            const float inv = 1.0f / sum;
+            for (t = 0; t < count; t++) {
+                const float p = s[t] * inv;
+                const float* vr = vh + (first + t) * d;
+                for (int64_t c = 0; c < d; c++) o[c] += p * vr[c];
+            }
+            lse[row] = m + logf(sum);
+        }
+        free(s);
+    }
+}
