@@ -83,54 +83,31 @@ def build_library(out_dir: Path | None = None) -> Path:
 
 
 class NativeFP8Gather:
-    """Calls infer8_gather_dequant_fp8 from the compiled library."""
+    """The compiled CPU kernels (FP8 gather and write, decode and band attention, the
+    rotation, a layer's element-wise passes), called through ctypes."""
 
     def __init__(self, lib_path: Path) -> None:
         lib = ctypes.CDLL(str(lib_path))
-        fn = lib.infer8_gather_dequant_fp8
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int, p, p, ctypes.c_int]
-        fn.restype = None
-        self._fn = fn
-        gather = lib.infer8_gather_blocks
-        gather.argtypes = [p, p, i64, i64, i64, i64, p]
-        gather.restype = None
-        self._gather = gather
-        residual = lib.infer8_tail_residual
-        residual.argtypes = [p, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                             ctypes.c_float, p, p, p]  # fmt: skip
-        residual.restype = None
-        self._residual = residual
-        write = lib.infer8_write_fp8
-        write.argtypes = [p, i64, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_float, p, i64,
-                          p, p]  # fmt: skip
-        write.restype = None
-        self._write = write
-        decode = lib.infer8_decode_attention
-        decode.argtypes = [p, p, p, p, p, ctypes.c_int, p, i64, p, i64, i64, i64, i64, i64, i64,
-                           ctypes.c_float, ctypes.c_int, p, p, p, p, p, p, i64, i64, p]  # fmt: skip
-        decode.restype = None
-        self._decode = decode
-        hadamard = lib.infer8_hadamard_rows
-        hadamard.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_int, p]
-        hadamard.restype = None
-        self._hadamard = hadamard
-        rms_norm = lib.infer8_rms_norm
-        rms_norm.argtypes = [p, i64, p, p, i64, i64, ctypes.c_float, p]
-        rms_norm.restype = None
-        self._rms_norm = rms_norm
-        silu_and_mul = lib.infer8_silu_and_mul
-        silu_and_mul.argtypes = [p, i64, i64, p]
-        silu_and_mul.restype = None
-        self._silu_and_mul = silu_and_mul
-        rope = lib.infer8_rope
-        rope.argtypes = [p, i64, i64, i64, i64, p, p]
-        rope.restype = None
-        self._rope = rope
-        band = lib.infer8_band_attention
-        band.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p]
-        band.restype = None
-        self._band = band
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+        def bind(name: str, *argtypes: type) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = list(argtypes), None
+            return fn
+
+        self._fn = bind("infer8_gather_dequant_fp8", p, p, p, p, i64, i64, i64, i64, i64, i32,
+                        p, p, i32)  # fmt: skip
+        self._gather = bind("infer8_gather_blocks", p, p, i64, i64, i64, i64, p)
+        self._residual = bind("infer8_tail_residual", p, i64, i64, i32, i32, f32, f32, p, p, p)
+        self._write = bind("infer8_write_fp8", p, i64, i64, i64, i32, i32, f32, p, i64, p, p)
+        self._decode = bind("infer8_decode_attention", p, p, p, p, p, i32, p, i64, p, i64, i64,
+                            i64, i64, i64, i64, f32, i32, p, p, p, p, p, p, i64, i64, p)  # fmt: skip
+        self._hadamard = bind("infer8_hadamard_rows", p, i64, i64, i64, i64, i64, i32, p)
+        self._rms_norm = bind("infer8_rms_norm", p, i64, p, p, i64, i64, f32, p)
+        self._silu_and_mul = bind("infer8_silu_and_mul", p, i64, i64, p)
+        self._rope = bind("infer8_rope", p, i64, i64, i64, i64, p, p)
+        self._band = bind("infer8_band_attention", p, p, p, i64, i64, i64, i64, i64, i64, i64,
+                          f32, p, p)  # fmt: skip
         self._ones: dict[int, torch.Tensor] = {}
 
     @classmethod
