@@ -54,7 +54,10 @@ class HostMemory:
         50 MB), so each step faulted in and zeroed ~2.3 GB of new pages: 565 K minor faults and
         2.7 s of system CPU in a 10.3 s step of 2 x 2,048 tokens, against 4 K faults and 0.6 s
         from the heap (a `/tmp` run with glibc's MALLOC_MMAP_MAX_=0; benchmarks.md). `trim`
-        still hands freed pages back, between steps.
+        still hands freed pages back, between steps. A freed block is reused when a later
+        request fits it; an aligned request of the same size sometimes does not (one 64 MB
+        tensor filled, freed and filled again faulted in again in about half the fresh runs),
+        and the heap grows instead.
         """
         if self._libc is None:
             return

@@ -12,37 +12,36 @@ import torch
 from infer8.host_memory import HostMemory
 from infer8.worker.kv_cache import _zeros
 
-# A fresh interpreter (mallopt is process-wide): minor faults of filling a 64 MB tensor, a
-# second time after freeing the first, with glibc's defaults or after reuse_large_blocks().
-_FAULTS = """
-import json, resource, sys
+# A fresh interpreter (mallopt is process-wide): is a 64 MB tensor inside the process heap
+# ([heap] in /proc/self/maps, where freed blocks are kept for reuse) or a mapping of its own
+# (made for it and unmapped when it is freed), with glibc's defaults or after
+# reuse_large_blocks()?
+_IN_HEAP = """
+import json, sys
 import torch
 from infer8.host_memory import HostMemory
 if sys.argv[1] == "reuse":
     HostMemory().reuse_large_blocks()
-def fill():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    t = torch.empty(16 << 20)  # 64 MB: above glibc's largest mmap threshold (32 MB)
-    t.fill_(1.0)
-    del t
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-fill()
-print(json.dumps(fill()))
+t = torch.empty(16 << 20)  # 64 MB: above glibc's largest mmap threshold (32 MB)
+heap = [line.split()[0].split("-") for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
+lo, hi = (int(x, 16) for x in heap[0]) if heap else (0, 0)
+print(json.dumps(lo <= t.data_ptr() < hi))
 """
 
 
-def _second_fill_faults(mode: str) -> int:
+def _in_heap(mode: str) -> bool:
     out = subprocess.run(
-        [sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _IN_HEAP, mode], capture_output=True, text=True, check=True
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not HostMemory().is_available, reason="glibc's allocator only")
-def test_large_blocks_are_reused_not_faulted_in_again() -> None:
-    pages = (64 << 20) // 4096
-    assert _second_fill_faults("default") > pages // 2  # mapped afresh: every page faults
-    assert _second_fill_faults("reuse") < pages // 20  # the freed block, already resident
+def test_large_blocks_come_from_the_heap() -> None:
+    """The mechanism behind 565 K -> 46-83 K minor faults per prefill step (benchmarks.md):
+    the measured reuse depends on how a run's blocks fit, so the test checks where they live."""
+    assert not _in_heap("default")
+    assert _in_heap("reuse")
 
 
 def test_cpu_cache_tensors_are_zero_and_mapped_on_first_write() -> None:
