@@ -317,7 +317,8 @@ class NativeFP8Gather:
     # -- the layer's element-wise passes (csrc/elementwise.c), float32 CPU tensors ----------
     @staticmethod
     def elementwise_supported(x: torch.Tensor) -> bool:
-        """Return whether rms_norm / silu_and_mul / rope_ run on x (float32, CPU)."""
+        """Return whether rms_norm, silu_and_mul, rope_ and band_attention run on x (float32,
+        CPU)."""
         return x.dtype == torch.float32 and x.device.type == "cpu"
 
     def rms_norm(

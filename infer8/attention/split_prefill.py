@@ -131,7 +131,7 @@ def split_prefill_attention(
     band in one C pass for float32 CPU tensors (csrc/band_attention.c).
     """
     parts = [_range_part(q, r, scale) for r in ranges]
-    if band is not None and native is not None and q.dtype == torch.float32:
+    if band is not None and native is not None and native.elementwise_supported(q):
         parts.append(native.band_attention(q, band.k, band.v, band.window, band.valid_from, scale))
     elif band is not None:
         parts.append(_band_part(q, band, scale))
