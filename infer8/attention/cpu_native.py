@@ -34,6 +34,7 @@ _SOURCES = (
     _CSRC / "hadamard.c",
     _CSRC / "elementwise.c",
     _CSRC / "band_attention.c",
+    _CSRC / "two_value_attention.c",
 )
 # -fno-trapping-math: no FP exception is ever observed, so branch-free selects vectorize (the
 # values are IEEE's either way; no -ffast-math, which would change them)
@@ -108,6 +109,9 @@ class NativeFP8Gather:
         self._rope = bind("infer8_rope", p, i64, i64, i64, i64, p, p)
         self._band = bind("infer8_band_attention", p, p, p, i64, i64, i64, i64, i64, i64, i64,
                           f32, p, p)  # fmt: skip
+        self._two_value = bind("infer8_two_value_attention", p, i64, i64, p, i64, p, i64, p,
+                               i64, p, i64, p, i64, i64, i64, i64, i64, i64, f32, i32, p,
+                               i64, i64)  # fmt: skip
         self._ones: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -376,3 +380,39 @@ class NativeFP8Gather:
             q_len, k.shape[1], d, window, valid_from, scale, out.data_ptr(), lse.data_ptr(),
         )  # fmt: skip
         return out, lse
+
+    @staticmethod
+    def two_value_supported(q: torch.Tensor) -> bool:
+        """Return whether two_value_attention runs on q [H, q_len, d] (float32 or bf16 on the
+        CPU, d a multiple of 8)."""
+        dtypes = (torch.float32, torch.bfloat16)
+        return q.device.type == "cpu" and q.dtype in dtypes and q.shape[-1] % 8 == 0
+
+    def two_value_attention(
+        self,
+        q: torch.Tensor,
+        keys: tuple[torch.Tensor, torch.Tensor],
+        values: tuple[torch.Tensor, torch.Tensor],
+        second: torch.Tensor,
+        q_start: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """split_prefill.two_value_attention in one native pass (csrc/two_value_attention.c),
+        computed in float32: q [H, q_len, d] (any strides with rows of d), keys / values
+        ([kvh, n, d] each, rows of d; q's dtype), second [q_len, n] bool; returns
+        [H, q_len, d] in q's dtype (a view of a [q_len, H, d] tensor)."""
+        num_heads, q_len, d = q.shape
+        kvh, n, _ = keys[0].shape
+        parts = [x if x.stride(-1) == 1 and x.stride(-2) == d else x.contiguous()
+                 for x in (*keys, *values)]  # fmt: skip
+        assert all(x.dtype == q.dtype for x in parts) and q.stride(-1) == 1
+        second = second.to(torch.uint8).contiguous()
+        out = torch.empty((q_len, num_heads, d), dtype=q.dtype)
+        k1, k2, v1, v2 = parts
+        self._two_value(
+            q.data_ptr(), q.stride(1), q.stride(0), k1.data_ptr(), k1.stride(0), k2.data_ptr(),
+            k2.stride(0), v1.data_ptr(), v1.stride(0), v2.data_ptr(), v2.stride(0),
+            second.data_ptr(), num_heads, kvh, q_len, n, d, q_start, scale,
+            int(q.dtype == torch.bfloat16), out.data_ptr(), num_heads * d, d,
+        )  # fmt: skip
+        return out.transpose(0, 1)

@@ -88,7 +88,10 @@ def sequence_attention(
     )
     if seq_len <= dense_max_len:
         exact, reads = dense_parts(k, v, seq_tail)
-        return two_value_attention(q, (k, exact[0]), (v, exact[1]), reads, seq_len - q_len, scale)
+        keys, values, q_start = (k, exact[0]), (v, exact[1]), seq_len - q_len
+        if native is not None and native.two_value_supported(q):
+            return native.two_value_attention(q, keys, values, reads, q_start, scale)
+        return two_value_attention(q, keys, values, reads, q_start, scale)
     ranges, band = prefill_parts(k, v, seq_tail)
     return split_prefill_attention(q, ranges, band, scale, native)
 

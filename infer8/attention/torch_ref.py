@@ -81,6 +81,9 @@ class TorchRefAttention:
         self.dense_tail_max_len = dense_tail_max_len
         self._dequantize: Dequantize = _dequantize_eager
         self._buffers: dict[str, torch.Tensor] = {}
+        # write_kv's inputs and their rotations: forward gets the same tensors as k_new /
+        # v_new (an exact tail) and reuses them instead of rotating them a second time
+        self._rotated: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._native = NativeFP8Gather.load() if use_native else None
         if use_compile and self._native is None:
             compiled = CompiledDequantize()
@@ -104,10 +107,13 @@ class TorchRefAttention:
         k, v: [num_real_tokens, num_kv_heads, head_dim]
         """
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        self._rotated = None
         if cache.k_rotation is not None:
+            k_in, v_in = k, v
             k = self._rotate(k, cache.k_rotation)
             if cache.rotate_values:
                 v = self._rotate(v, cache.k_rotation)
+            self._rotated = (k_in, v_in, k, v)
         if cache.k_amax is not None:  # calibration: per-channel running amax
             torch.maximum(cache.k_amax, k.abs().amax(dim=0).float(), out=cache.k_amax)
             torch.maximum(cache.v_amax, v.abs().amax(dim=0).float(), out=cache.v_amax)
@@ -303,10 +309,15 @@ class TorchRefAttention:
         """
         if cache.k_rotation is not None:
             q = self._rotate(q, cache.k_rotation)
-            if k_new is not None:
-                k_new = self._rotate(k_new, cache.k_rotation)
-            if v_new is not None and cache.rotate_values:
-                v_new = self._rotate(v_new, cache.k_rotation)
+            done = self._rotated
+            if done is not None and k_new is done[0] and v_new is done[1]:
+                k_new, v_new = done[2], done[3]  # write_kv rotated these very tensors
+            else:
+                if k_new is not None:
+                    k_new = self._rotate(k_new, cache.k_rotation)
+                if v_new is not None and cache.rotate_values:
+                    v_new = self._rotate(v_new, cache.k_rotation)
+        self._rotated = None
         if meta.tail is not None and cache.kv_tail is None:  # a cache without a tail store
             meta = dataclasses.replace(meta, tail=None)
         if meta.tail is None:

@@ -3,37 +3,74 @@
 // matmul (a torch matmul call cost ~60 us at decode sizes, six per layer). Computed in float32,
 // returned in the input's dtype, as exact_tail.rotate does (to float32 rounding: another
 // summation order).
+#include "simd.h"
+
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
+
+// One butterfly stage of span `len` < 8 inside each 8-lane vector: lane j (with partner
+// j ^ len) becomes v[j] + v[j + len] where j & len == 0, v[j - len] - v[j] otherwise, written
+// as partner + sign * self (the same two float additions as the scalar butterflies).
+static inline v8f stage_in_vector(v8f v, int len) {
+    static const v8i perm[3] = {
+        {1, 0, 3, 2, 5, 4, 7, 6}, {2, 3, 0, 1, 6, 7, 4, 5}, {4, 5, 6, 7, 0, 1, 2, 3}};
+    static const v8f sign[3] = {
+        {1, -1, 1, -1, 1, -1, 1, -1}, {1, 1, -1, -1, 1, 1, -1, -1}, {1, 1, 1, 1, -1, -1, -1, -1}};
+    const int s = len == 1 ? 0 : len == 2 ? 1 : 2;
+    return __builtin_shuffle(v, perm[s]) + sign[s] * v;
+}
+
+static void fwht_row(float* v, int64_t d) {
+    if (d % 8 == 0) {  // whole vectors: spans 1, 2, 4 inside each, the rest between them
+        for (int64_t i = 0; i < d; i += 8) {
+            v8f x;
+            memcpy(&x, v + i, 32);
+            x = stage_in_vector(stage_in_vector(stage_in_vector(x, 1), 2), 4);
+            memcpy(v + i, &x, 32);
+        }
+        for (int64_t len = 8; len < d; len <<= 1) {
+            for (int64_t i = 0; i < d; i += len << 1) {
+                for (int64_t j = i; j < i + len; j += 8) {
+                    v8f a, b;
+                    memcpy(&a, v + j, 32);
+                    memcpy(&b, v + j + len, 32);
+                    const v8f s = a + b, t = a - b;
+                    memcpy(v + j, &s, 32);
+                    memcpy(v + j + len, &t, 32);
+                }
+            }
+        }
+        return;
+    }
+    for (int64_t len = 1; len < d; len <<= 1) {
+        for (int64_t i = 0; i < d; i += len << 1) {
+            for (int64_t j = i; j < i + len; j++) {
+                const float a = v[j], b = v[j + len];
+                v[j] = a + b;
+                v[j + len] = a - b;
+            }
+        }
+    }
+}
 
 // x: [n, h, d] with strides (s0, s1, 1), bf16 bits or float32 (x_f32); out: [n, h, d]
 // contiguous, same dtype. d is a power of two <= 1024.
 void infer8_hadamard_rows(const void* x, int64_t n, int64_t h, int64_t d, int64_t s0,
                           int64_t s1, int x_f32, void* out) {
     const float norm = 1.0f / sqrtf((float)d);
-#pragma omp parallel for collapse(2) schedule(static) if (n * h >= 64)
+#pragma omp parallel for schedule(static) if (n * h >= 64)
     for (int64_t t = 0; t < n; t++) {
         for (int64_t k = 0; k < h; k++) {
-            float v[1024];
+            float v[1024] __attribute__((aligned(32)));
             const int64_t at = t * s0 + k * s1, o = (t * h + k) * d;
-            for (int64_t i = 0; i < d; i++) {
-                if (x_f32) {
-                    v[i] = ((const float*)x)[at + i];
-                } else {
+            if (x_f32) {
+                memcpy(v, (const float*)x + at, d * sizeof(float));
+            } else {
+                for (int64_t i = 0; i < d; i++) {
                     uint32_t b = (uint32_t)((const uint16_t*)x)[at + i] << 16;
                     memcpy(&v[i], &b, 4);
                 }
             }
-            for (int64_t len = 1; len < d; len <<= 1) {
-                for (int64_t i = 0; i < d; i += len << 1) {
-                    for (int64_t j = i; j < i + len; j++) {
-                        const float a = v[j], b = v[j + len];
-                        v[j] = a + b;
-                        v[j + len] = a - b;
-                    }
-                }
-            }
+            fwht_row(v, d);
             for (int64_t i = 0; i < d; i++) {
                 const float f = v[i] * norm;
                 if (x_f32) {

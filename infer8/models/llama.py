@@ -193,11 +193,13 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         n = meta.num_real_tokens
-        self.backend.write_kv(cache, k[:n], v[:n], meta.slot_mapping)
+        k_new, v_new = k[:n], v[:n]
+        self.backend.write_kv(cache, k_new, v_new, meta.slot_mapping)
         if cache.kv_tail is None:
             o = self.backend.forward(q, cache, meta, self.scale)
-        else:  # an FP8 cache's exact tail also reads this step's K/V unquantized
-            o = self.backend.forward(q, cache, meta, self.scale, k_new=k[:n], v_new=v[:n])
+        else:  # an FP8 cache's exact tail also reads this step's K/V unquantized (the same
+            # tensors as write_kv's: a backend may reuse what it derived from them there)
+            o = self.backend.forward(q, cache, meta, self.scale, k_new=k_new, v_new=v_new)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

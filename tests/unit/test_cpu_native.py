@@ -177,14 +177,15 @@ def test_decode_attention_reads_the_exact_tail_as_the_torch_path_does() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotate_is_the_hadamard_matmul(native: NativeFP8Gather, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("d", [64, 4])  # whole 8-lane vectors, or the scalar butterflies
+def test_rotate_is_the_hadamard_matmul(native: NativeFP8Gather, dtype: torch.dtype, d: int) -> None:
     """The fast Walsh-Hadamard transform of strided rows equals x @ H to float32 rounding."""
     from infer8.attention.exact_tail import hadamard, rotate
 
     torch.manual_seed(0)
-    qkv = torch.randn(33, 12, 64, dtype=dtype) * 5
+    qkv = torch.randn(33, 12, d, dtype=dtype) * 5
     k = qkv[:, 9:]  # a view of a fused projection: strided rows
-    got, want = native.rotate(k), rotate(k, hadamard(64))
+    got, want = native.rotate(k), rotate(k, hadamard(d))
     assert got.is_contiguous() and got.dtype == dtype
     err = (got.float() - want.float()).abs().max().item()  # bf16: 0 (rounded the same way)
     assert err <= 1e-6 * want.float().abs().max().item(), err
@@ -192,10 +193,13 @@ def test_rotate_is_the_hadamard_matmul(native: NativeFP8Gather, dtype: torch.dty
     torch.testing.assert_close(back, k.float(), atol=1e-5, rtol=0)
 
 
-def test_dense_and_split_tail_prefill_agree_over_the_schedule() -> None:
-    """Short prompts attend densely, long ones by key ranges: the same numbers either way."""
+@pytest.mark.parametrize("use_native", [False, True])
+def test_dense_and_split_tail_prefill_agree_over_the_schedule(use_native: bool) -> None:
+    """Short prompts attend densely, long ones by key ranges: the same numbers either way
+    (native: csrc/two_value_attention.c and csrc/band_attention.c against each other)."""
     torch.manual_seed(0)
-    split, dense = TorchRefAttention(dense_tail_max_len=0), TorchRefAttention()
+    split = TorchRefAttention(dense_tail_max_len=0, use_native=use_native)
+    dense = TorchRefAttention(use_native=use_native)
     cpu = torch.device("cpu")
     for step, got, want, _, _ in run_schedule(split, dense, torch.float32, False, cpu):
         rel = ((got - want).norm() / want.norm()).item()

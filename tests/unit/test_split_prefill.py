@@ -76,6 +76,38 @@ def test_tail_parts_match_the_masked_rule(
     exact, reads = dense_parts(kb.clone(), vb.clone(), seq_tail)
     dense = two_value_attention(q, (kb, exact[0]), (vb, exact[1]), reads, s0, 0.3)
     assert (dense - ref).abs().max() < 1e-5
+    # and its native pass (GQA 2: each task's third head slot is padding)
+    native = _native().two_value_attention(q, (kb, exact[0]), (vb, exact[1]), reads, s0, 0.3)
+    assert native.shape == q.shape and (native - ref).abs().max() < 1e-5
+
+
+def _native():  # noqa: ANN202
+    from infer8.attention.cpu_native import NativeFP8Gather, build_library
+
+    return NativeFP8Gather(build_library())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("s0, q_len, group", [(0, 128, 3), (70, 61, 3), (5, 3, 4), (0, 9, 1)])
+def test_native_two_value_attention_matches_torch(
+    dtype: torch.dtype, s0: int, q_len: int, group: int
+) -> None:
+    """The C pass against two_value_attention in float32 on the same (rounded) inputs: q as
+    the model hands it (a [H, q_len, d] view of [q_len, H, d]), a band and sinks read second."""
+    torch.manual_seed(2)
+    kvh, d, n, window = 3, 64, s0 + q_len, 24
+    q = torch.randn(q_len, kvh * group, d).to(dtype).transpose(0, 1)
+    kb, vb = torch.randn(kvh, n, d).to(dtype), torch.randn(kvh, n, d).to(dtype)
+    ke, ve = (kb + 0.2 * torch.randn_like(kb)).to(dtype), (vb + 0.2 * torch.randn_like(vb))
+    ve = ve.to(dtype)
+    j, a = torch.arange(n)[None, :], torch.arange(s0, n)[:, None]
+    reads = (j > a - window) | (j < 4)
+    f = [x.float() for x in (q, kb, ke, vb, ve)]
+    want = two_value_attention(f[0], (f[1], f[2]), (f[3], f[4]), reads, s0, 0.125)
+    got = _native().two_value_attention(q, (kb, ke), (vb, ve), reads, s0, 0.125)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("q_len, window, valid_from", [(200, 24, 0), (70, 24, 30), (5, 8, 11)])

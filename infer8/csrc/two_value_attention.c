@@ -1,0 +1,233 @@
+// Causal attention where each (query, key) pair reads one of two values of the key, for float32
+// or bf16 CPU tensors (computed in float32): split_prefill.py's two_value_attention (an FP8 cache's exact tail on a short
+// prompt: block values, or block + residual inside the tail's band and at the sinks). The torch
+// form computes every score twice ([H, q_len, n] products with both keys), selects, masks and
+// softmaxes in ~10 passes over the scores; here each task (4 queries x 3 heads of one KV head)
+// scores 8 keys at a time against key tiles stored transposed, computing the second keys'
+// scores only in tiles where some query reads them, then one softmax pass and one weighted sum
+// per row, each key's value read from the side its query reads.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+enum { QB = 4, HB = 3, ROWS = QB * HB, CHUNKS = 4 };  // a task's rows: QB queries x HB heads
+
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+
+// Element i of a float32 (bf16 == 0) or bf16 tensor, as a float.
+static inline float at(const void* x, int64_t i, int bf16) {
+    if (!bf16) return ((const float*)x)[i];
+    const uint32_t b = (uint32_t)((const uint16_t*)x)[i] << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+// 8 consecutive elements as floats.
+static inline v8f at8(const void* x, int64_t i, int bf16) {
+    v8f out;
+    if (!bf16) {
+        memcpy(&out, (const float*)x + i, 32);
+    } else {
+        typedef uint16_t v8u16 __attribute__((vector_size(16)));
+        v8u16 h;
+        memcpy(&h, (const uint16_t*)x + i, 16);
+        v8i bits = __builtin_convertvector(h, v8i) << 16;
+        memcpy(&out, &bits, 32);
+    }
+    return out;
+}
+
+// Store 8 floats as float32 or bf16 (round to nearest even, as torch's .to(bfloat16)).
+static inline void store8(void* x, int64_t i, v8f v, int bf16) {
+    if (!bf16) {
+        memcpy((float*)x + i, &v, 32);
+        return;
+    }
+    v8i b;
+    memcpy(&b, &v, 32);
+    b = (b + 0x7fff + ((b >> 16) & 1)) >> 16;
+    for (int l = 0; l < 8; l++) ((uint16_t*)x)[i + l] = (uint16_t)b[l];
+}
+
+// kt [tiles][d][8]: keys 8t .. 8t + 7 of one KV head (k [n, d]), transposed; zero past n.
+static void transpose_keys(const void* k, int64_t n, int64_t d, int bf16, float* kt) {
+    const int64_t tiles = (n + 7) / 8;
+    for (int64_t t = 0; t < tiles; t++) {
+        float* dst = kt + t * d * 8;
+        for (int64_t j = 0; j < 8; j++) {
+            const int64_t key = t * 8 + j;
+            for (int64_t c = 0; c < d; c++) dst[c * 8 + j] = key < n ? at(k, key * d + c, bf16) : 0.0f;
+        }
+    }
+}
+
+// acc[r] = (q_r . key_j) for the 8 keys of a transposed tile, all ROWS rows.
+static inline __attribute__((always_inline)) void score_tile(const float* const* qr,
+                                                             const float* kt, int64_t d,
+                                                             v8f acc[ROWS]) {
+    for (int r = 0; r < ROWS; r++) acc[r] = (v8f){0};
+    for (int64_t c = 0; c < d; c++) {
+        v8f kv;
+        memcpy(&kv, kt + c * 8, 32);
+        for (int r = 0; r < ROWS; r++) acc[r] += qr[r][c] * kv;
+    }
+}
+
+// a[h][c] = sum_j p[h][j] * value_j[c0 + 8c ..] for HB heads and NC vectors of the head dim,
+// value_j from v2 where second[j], else v1 ([n, d] rows): HB x NC accumulators in registers,
+// each value row widened once for all heads.
+static inline __attribute__((always_inline)) void weighted_rows(
+    const float* const* p, const uint8_t* second, const char* v1, const char* v2, int64_t count,
+    int64_t d, int64_t c0, int bf16, int nc, v8f a[HB][CHUNKS]) {
+    const int64_t es = bf16 ? 2 : 4;
+    for (int h = 0; h < HB; h++)
+        for (int c = 0; c < nc; c++) a[h][c] = (v8f){0};
+    for (int64_t j = 0; j < count; j++) {
+        const char* row = (second[j] ? v2 : v1) + (j * d + c0) * es;
+        v8f vv[CHUNKS];
+        for (int c = 0; c < nc; c++) vv[c] = at8(row, 8 * c, bf16);
+        for (int h = 0; h < HB; h++) {
+            const float w = p[h][j];
+            for (int c = 0; c < nc; c++) a[h][c] += w * vv[c];
+        }
+    }
+}
+
+// q element (h, i, c) at q[i * q_tok + h * q_head + c], out likewise (o_tok, o_head); k1, k2,
+// v1, v2: [kvh, n, d] rows of d elements, KV head x at x + x_head stride; all float32, or all
+// bf16 (bf16 != 0); second [q_len, n]: 1 where query i reads key j's second value. Query i
+// sits at position q_start + i and sees keys 0 .. q_start + i; query head h reads KV head
+// h / group. d is a multiple of 8.
+void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, const void* k1,
+                                int64_t k1_head, const void* k2, int64_t k2_head,
+                                const void* v1, int64_t v1_head, const void* v2,
+                                int64_t v2_head, const uint8_t* second, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t q_len, int64_t n, int64_t d,
+                                int64_t q_start, float scale, int bf16, void* out,
+                                int64_t o_tok, int64_t o_head) {
+    const int64_t es = bf16 ? 2 : 4;  // element size in bytes
+    const int64_t group = num_heads / num_kv_heads, tiles = (n + 7) / 8, padded = tiles * 8;
+    float* kt = malloc(sizeof(float) * 2 * num_kv_heads * tiles * d * 8);
+#pragma omp parallel for schedule(static)
+    for (int64_t x = 0; x < 2 * num_kv_heads; x++) {
+        const char* src = x < num_kv_heads ? (const char*)k1 + x * k1_head * es
+                                           : (const char*)k2 + (x - num_kv_heads) * k2_head * es;
+        transpose_keys(src, n, d, bf16, kt + x * tiles * d * 8);
+    }
+    const int64_t qblocks = (q_len + QB - 1) / QB, hblocks = (group + HB - 1) / HB;
+#pragma omp parallel
+    {
+        float* s = malloc(sizeof(float) * ROWS * padded);
+        float* qbuf = malloc(sizeof(float) * ROWS * d);  // the task's query rows as floats
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_kv_heads * hblocks * qblocks; task++) {
+            // the longest rows first: the last query block (most keys) gets task 0
+            const int64_t qb = qblocks - 1 - task % qblocks, hb = task / qblocks % hblocks;
+            const int64_t kvh = task / qblocks / hblocks;
+            const float* qr[ROWS];
+            int64_t pos[ROWS], qi[ROWS];
+            for (int r = 0; r < ROWS; r++) {  // rows past the end repeat the last real one
+                const int64_t i = qb * QB + r / HB, g = hb * HB + r % HB;
+                qi[r] = i < q_len ? i : q_len - 1;
+                const int64_t h = kvh * group + (g < group ? g : group - 1);
+                for (int64_t c = 0; c < d; c++) qbuf[r * d + c] = at(q, qi[r] * q_tok + h * q_head + c, bf16);
+                qr[r] = qbuf + r * d;
+                pos[r] = q_start + qi[r];
+            }
+            const int64_t last = pos[ROWS - 1] < n - 1 ? pos[ROWS - 1] : n - 1;
+            const float* kt1 = kt + kvh * tiles * d * 8;
+            const float* kt2 = kt + (num_kv_heads + kvh) * tiles * d * 8;
+            for (int64_t t = 0; t * 8 <= last; t++) {
+                v8f acc[ROWS], alt[ROWS];
+                v8i pick[QB];  // per query: -1 where it reads the key's second value
+                int mixed = 0;
+                for (int qq = 0; qq < QB; qq++) {
+                    const int r = qq * HB;
+                    uint64_t bits = 0;
+                    if (t * 8 <= pos[r]) {
+                        const uint8_t* row = second + qi[r] * n + t * 8;
+                        if (t * 8 + 8 <= n) {
+                            memcpy(&bits, row, 8);
+                        } else {
+                            for (int64_t j = 0; j < n - t * 8; j++) bits |= (uint64_t)row[j] << (8 * j);
+                        }
+                        const int64_t seen = pos[r] - t * 8 + 1;  // causal: keys <= pos
+                        if (seen < 8) bits &= (1ull << (8 * seen)) - 1;
+                    }
+                    v8u8 b;
+                    memcpy(&b, &bits, 8);
+                    pick[qq] = __builtin_convertvector(b, v8i) != 0;
+                    mixed |= bits != 0;
+                }
+                score_tile(qr, kt1 + t * d * 8, d, acc);
+                if (mixed) {  // some row reads second values here: score those keys too
+                    score_tile(qr, kt2 + t * d * 8, d, alt);
+                    for (int r = 0; r < ROWS; r++) {
+                        v8i a, b;
+                        memcpy(&a, &alt[r], 32);
+                        memcpy(&b, &acc[r], 32);
+                        a = (a & pick[r / HB]) | (b & ~pick[r / HB]);
+                        memcpy(&acc[r], &a, 32);
+                    }
+                }
+                for (int r = 0; r < ROWS; r++) {
+                    v8f sc = acc[r] * scale;
+                    if (t * 8 + 7 > pos[r])
+                        for (int j = 0; j < 8; j++)
+                            if (t * 8 + j > pos[r]) sc[j] = -INFINITY;  // causal (and past n)
+                    memcpy(s + r * padded + t * 8, &sc, 32);
+                }
+            }
+            float inv[ROWS];
+            for (int r = 0; r < ROWS; r++) {  // softmax numerators in place, 1 / their sum
+                float* sr = s + r * padded;
+                const int64_t count = pos[r] + 1, span = (count + 7) / 8 * 8;
+                float m = -INFINITY;
+                for (int64_t j = 0; j < count; j++) m = sr[j] > m ? sr[j] : m;
+                v8f sum = {0};
+                for (int64_t j = 0; j < span; j += 8) {  // -inf past count: zeros
+                    v8f x;
+                    memcpy(&x, sr + j, 32);
+                    x = exp8(x - m);
+                    if (j + 8 > count)
+                        for (int l = 0; l < 8; l++)
+                            if (j + l >= count) x[l] = 0.0f;
+                    memcpy(sr + j, &x, 32);
+                    sum += x;
+                }
+                inv[r] = 1.0f / hsum(sum);
+            }
+            const char* a1 = (const char*)v1 + kvh * v1_head * es;
+            const char* a2 = (const char*)v2 + kvh * v2_head * es;
+            for (int qq = 0; qq < QB; qq++) {  // a query's heads share its keys' value rows
+                const int64_t i = qb * QB + qq;
+                if (i >= q_len) break;
+                const float* p[HB];
+                for (int h = 0; h < HB; h++) p[h] = s + (qq * HB + h) * padded;
+                const int64_t count = pos[qq * HB] + 1;
+                v8f a[HB][CHUNKS];
+                for (int64_t c0 = 0; c0 < d;) {  // CHUNKS vectors of the head dim, then singles
+                    const int nc = d - c0 >= 8 * CHUNKS ? CHUNKS : 1;
+                    if (nc == CHUNKS)
+                        weighted_rows(p, second + i * n, a1, a2, count, d, c0, bf16, CHUNKS, a);
+                    else
+                        weighted_rows(p, second + i * n, a1, a2, count, d, c0, bf16, 1, a);
+                    for (int h = 0; h < HB && hb * HB + h < group; h++) {  // not repeated heads
+                        const int64_t o = i * o_tok + (kvh * group + hb * HB + h) * o_head;
+                        for (int c = 0; c < nc; c++)
+                            store8(out, o + c0 + 8 * c, a[h][c] * inv[qq * HB + h], bf16);
+                    }
+                    c0 += 8 * nc;
+                }
+            }
+        }
+        free(s);
+        free(qbuf);
+    }
+    free(kt);
+}
