@@ -1,6 +1,6 @@
-"""F.linear vs oneDNN-packed weights on this CPU, float32, at the default model's shapes.
+"""F.linear vs oneDNN-packed weights on this CPU, float32 or bf16, at the default model's shapes.
 
-    python benchmarks/cpu_linear.py [--rounds 3]
+    python benchmarks/cpu_linear.py [--rounds 3] [--dtype bfloat16]
 
 Each shape is timed both ways in alternating rounds (same process, same inputs); the table gives
 the median GFLOP/s of each and their ratio. The shapes are SmolLM2-135M's projections (q/k/v,
@@ -39,16 +39,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", default="1,8,32,64,4096")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32")
+    dtype = getattr(torch, args.dtype)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}")
     print("| shape | rows | F.linear GFLOP/s | packed GFLOP/s | packed / F.linear |")
     print("|---|---|---|---|---|")
     for name, (k, n) in SHAPES.items():
-        linear = torch.nn.Linear(k, n, bias=False)
+        linear = torch.nn.Linear(k, n, bias=False).to(dtype)
         for m in (int(r) for r in args.rows.split(",")):
             if name == "lm_head" and m > 64:
                 continue  # the LM head only sees the sampled rows
-            x = torch.randn(m, k)
+            x = torch.randn(m, k, dtype=dtype)
             packed = PackedLinear(linear, batch_hint=32)
             calls = max(2, int(2e9 / (2 * m * k * n)))
             plain_s, packed_s = [], []

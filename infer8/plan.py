@@ -111,6 +111,9 @@ class DeviceSpec:
     memory_bytes: int
     bandwidth_bytes_per_s: float
     has_e4m3: bool = True  # FP8 E4M3 (sm_89+): the engine's FP8 exact tail is on by default
+    # a CPU host whose engine packs its linear weights for oneDNN (worker/cpu_linear.py) keeps
+    # a packed copy of a tied LM head beside the embedding it shares
+    packed_tied_lm_head: bool = False
 
 
 def _device(
@@ -426,6 +429,9 @@ def plan_capacity(inputs: PlanInputs) -> Plan:
     """Return weights, KV budget, capacity and the decode bound for one configuration."""
     tp = inputs.tensor_parallel_size
     weights = math.ceil(inputs.model.weight_bytes(inputs.weight_dtype) / tp)
+    m = inputs.model
+    if inputs.device.packed_tied_lm_head and m.tie_word_embeddings:
+        weights += math.ceil(m.vocab_size * m.hidden_size * BF16_BYTES / tp)
     usable = int(inputs.gpu_memory_utilization * inputs.device.memory_bytes)
     reserve = inputs.activation_reserve_bytes
     if reserve is None:

@@ -102,13 +102,14 @@ class NativeFP8Gather:
         self._residual = bind("infer8_tail_residual", p, i64, i64, i32, i32, f32, f32, p, p, p)
         self._write = bind("infer8_write_fp8", p, i64, i64, i64, i32, i32, f32, p, i64, p, p)
         self._decode = bind("infer8_decode_attention", p, p, p, p, p, i32, p, i64, p, i64, i64,
-                            i64, i64, i64, i64, f32, i32, p, p, p, p, p, p, i64, i64, p)  # fmt: skip
+                            i64, i64, i64, i64, f32, i32, p, p, p, p, p, i64, i64, p, p, i64,
+                            p)  # fmt: skip
         self._hadamard = bind("infer8_hadamard_rows", p, i64, i64, i64, i64, i64, i32, p)
-        self._rms_norm = bind("infer8_rms_norm", p, i64, p, p, i64, i64, f32, p)
-        self._silu_and_mul = bind("infer8_silu_and_mul", p, i64, i64, p)
-        self._rope = bind("infer8_rope", p, i64, i64, i64, i64, p, p)
+        self._rms_norm = bind("infer8_rms_norm", p, i64, p, p, i64, i64, f32, i32, p)
+        self._silu_and_mul = bind("infer8_silu_and_mul", p, i64, i64, i32, p)
+        self._rope = bind("infer8_rope", p, i64, i64, i64, i64, p, p, i32)
         self._band = bind("infer8_band_attention", p, p, p, i64, i64, i64, i64, i64, i64, i64,
-                          f32, p, p)  # fmt: skip
+                          f32, i32, p, p)  # fmt: skip
         self._two_value = bind("infer8_two_value_attention", p, i64, i64, p, i64, p, i64, p,
                                i64, p, i64, p, i64, i64, i64, i64, i64, i64, f32, i32, p,
                                i64, i64)  # fmt: skip
@@ -271,9 +272,11 @@ class NativeFP8Gather:
         """Attend one query per sequence over its cached context; return [B, heads, d].
 
         q: [B, heads, d] (float32 or bf16); block_table: [B, blocks] int64; seq_lens: [B] int64.
-        tail: (new_k, new_v [B, kvh, d], res_k, res_v [kvh, rows, d] with sequence b's W
-        residuals at rows b * W.., pos [B, W] int64, valid [B, W] float32): the exact tail as
-        TorchRefAttention._decode applies it.
+        tail: (new_k, new_v [B, kvh, d] in q's dtype, the residual store (values [2 kvh, seats,
+        stride, d] E4M3, scales [2 kvh, seats, stride] bf16: K's heads, then V's), read_rows
+        [B * width / stride] int64 (sequence b's store rows first), pos [B, width] int64, valid
+        [B, width] float32): the exact tail as TorchRefAttention._decode applies it, the
+        residuals dequantized in the kernel.
         """
         assert self.decode_supported(cache, q.dtype) and cache.k.is_contiguous()
         b, num_heads, head_dim = q.shape
@@ -283,22 +286,29 @@ class NativeFP8Gather:
         lens = seq_lens.contiguous()
         assert table.dtype == torch.int64 and lens.dtype == torch.int64
         out = torch.empty_like(q)
-        parts = [None] * 6 if tail is None else [t.contiguous() for t in tail]
-        for t in parts[:4]:
-            assert t is None or t.dtype == q.dtype
-        width = 0 if tail is None else parts[4].shape[1]  # type: ignore[union-attr]
-        res_rows = 0 if tail is None else parts[2].shape[1]  # type: ignore[union-attr]
+        parts: list[torch.Tensor | None] = [None] * 7
+        seats = stride = width = 0
+        if tail is not None:
+            parts = [t.contiguous() for t in tail]
+            new_k, new_v, store, store_scale, read_rows, pos, valid = parts
+            assert new_k.dtype == new_v.dtype == q.dtype and store.dtype == torch.float8_e4m3fn
+            assert store_scale.dtype == torch.bfloat16 and read_rows.dtype == torch.int64
+            assert store.shape[0] == 2 * num_kv_heads and pos.shape == valid.shape
+            seats, stride, width = store.shape[1], store.shape[2], pos.shape[1]
+            assert width % stride == 0 and read_rows.numel() >= b * (width // stride)
         fp8_cache = cache.k_scale is not None
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
+        new_k, new_v, store, store_scale, read_rows, pos, valid = map(ptr, parts)
         self._decode(
             q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
             ptr(cache.k_scale) if fp8_cache else None, ptr(cache.v_scale) if fp8_cache else None,
             _KINDS[cache.k.dtype], table.data_ptr(), table.shape[1], lens.data_ptr(), b,
             num_kv_heads, num_heads // num_kv_heads, num_blocks, block_size, head_dim, scale,
-            int(q.dtype == torch.float32), *map(ptr, parts), width, res_rows, out.data_ptr(),
+            int(q.dtype == torch.float32), new_k, new_v, store, store_scale, read_rows, seats,
+            stride, pos, valid, width, out.data_ptr(),
         )  # fmt: skip
         return out
 
@@ -318,12 +328,12 @@ class NativeFP8Gather:
         )  # fmt: skip
         return out
 
-    # -- the layer's element-wise passes (csrc/elementwise.c), float32 CPU tensors ----------
+    # -- the layer's element-wise passes (csrc/elementwise.c), float32 or bf16 CPU tensors -----
     @staticmethod
     def elementwise_supported(x: torch.Tensor) -> bool:
-        """Return whether rms_norm, silu_and_mul, rope_ and band_attention run on x (float32,
-        CPU)."""
-        return x.dtype == torch.float32 and x.device.type == "cpu"
+        """Return whether rms_norm, silu_and_mul, rope_ and band_attention run on x (float32 or
+        bf16, CPU)."""
+        return x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None
@@ -331,14 +341,14 @@ class NativeFP8Gather:
         """Return weight * x / sqrt(mean(x^2) + eps) over x's rows [n, h]; with `add`, x += add
         first, in place (x rows may be strided, the last dim contiguous)."""
         n, h = x.shape
-        assert x.stride(1) == 1 and weight.is_contiguous() and weight.dtype == torch.float32
+        assert x.stride(1) == 1 and weight.is_contiguous() and weight.dtype == x.dtype
         if add is not None:
             add = add.contiguous()
-            assert add.shape == x.shape and add.dtype == torch.float32
-        out = torch.empty((n, h), dtype=torch.float32)
+            assert add.shape == x.shape and add.dtype == x.dtype
+        out = torch.empty((n, h), dtype=x.dtype)
         self._rms_norm(
             x.data_ptr(), x.stride(0), None if add is None else add.data_ptr(),
-            weight.data_ptr(), n, h, eps, out.data_ptr(),
+            weight.data_ptr(), n, h, eps, int(x.dtype == torch.bfloat16), out.data_ptr(),
         )  # fmt: skip
         return out
 
@@ -346,16 +356,19 @@ class NativeFP8Gather:
         """Return silu(gate) * up for gate_up [n, 2 * inter] (gate first): [n, inter]."""
         gate_up = gate_up.contiguous()
         n, width = gate_up.shape
-        out = torch.empty((n, width // 2), dtype=torch.float32)
-        self._silu_and_mul(gate_up.data_ptr(), n, width // 2, out.data_ptr())
+        out = torch.empty((n, width // 2), dtype=gate_up.dtype)
+        bf16 = int(gate_up.dtype == torch.bfloat16)
+        self._silu_and_mul(gate_up.data_ptr(), n, width // 2, bf16, out.data_ptr())
         return out
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [n, heads, d] in place (rotate_half convention) by cos, sin [n, d / 2]."""
         n, heads, d = x.shape
         assert x.stride(2) == 1 and x.stride(1) == d and cos.shape == (n, d // 2)
+        assert cos.dtype == sin.dtype == x.dtype
         cos, sin = cos.contiguous(), sin.contiguous()
-        self._rope(x.data_ptr(), x.stride(0), n, heads, d, cos.data_ptr(), sin.data_ptr())
+        bf16 = int(x.dtype == torch.bfloat16)
+        self._rope(x.data_ptr(), x.stride(0), n, heads, d, cos.data_ptr(), sin.data_ptr(), bf16)
         return x
 
     def band_attention(
@@ -367,17 +380,18 @@ class NativeFP8Gather:
         valid_from: int,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (out [H, q_len, d], lse [H, q_len]) of split_prefill's band, float32 CPU:
+        """Return (out [H, q_len, d], lse [H, q_len]) of split_prefill's band, float32 or bf16 CPU:
         query i sees keys i .. i + window - 1 of k, v [kvh, n, d], those below valid_from
         excepted (a query that sees none: lse -inf, zeros)."""
         num_heads, q_len, d = q.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        assert q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == "cpu"
+        assert self.elementwise_supported(q) and q.dtype == k.dtype == v.dtype
         out = torch.empty_like(q)
         lse = torch.empty((num_heads, q_len), dtype=torch.float32)
         self._band(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), num_heads, num_heads // k.shape[0],
-            q_len, k.shape[1], d, window, valid_from, scale, out.data_ptr(), lse.data_ptr(),
+            q_len, k.shape[1], d, window, valid_from, scale, int(q.dtype == torch.bfloat16),
+            out.data_ptr(), lse.data_ptr(),
         )  # fmt: skip
         return out, lse
 

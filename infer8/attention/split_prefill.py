@@ -128,7 +128,7 @@ def split_prefill_attention(
     """Attend q [H, q_len, d] over key ranges and an optional band; [H, q_len, d].
 
     Every query must see at least one key (a chunk's own token always does). `native`: the
-    band in one C pass for float32 CPU tensors (csrc/band_attention.c).
+    band in one C pass for float32 or bf16 CPU tensors (csrc/band_attention.c).
     """
     parts = [_range_part(q, r, scale) for r in ranges]
     if band is not None and native is not None and native.elementwise_supported(q):

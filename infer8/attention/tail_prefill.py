@@ -73,7 +73,7 @@ def sequence_attention(
     blocks: its K and V blocks dequantized ([kvh, seq_len, d]; this call's own copies, changed);
     residuals: the dequantized store rows read (TailMetadata); new: [q_len, kvh, d] tail values
     of this step's K and V. Dense up to dense_max_len positions, by key ranges beyond;
-    `native` (float32 CPU) computes the band of the latter in C.
+    `native` (float32 or bf16 CPU) computes the dense form, and the band of the split one, in C.
     """
     k, v = blocks
     seq_len, q_len = k.shape[1], q.shape[1]

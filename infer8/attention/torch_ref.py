@@ -277,15 +277,17 @@ class TorchRefAttention:
         new_kv: tuple[torch.Tensor, torch.Tensor] | None,
         residuals: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
-        """_decode in one native pass per (sequence, KV head): blocks read in place."""
+        """_decode in one native pass per (sequence, KV head): blocks and the tail's residual
+        store read in place (`residuals`, the torch path's dequantized rows, unused)."""
         assert self._native is not None
         lens = meta.decode_seq_lens  # built once per step, not per layer
         tail_args = None
         if new_kv is not None:
             tail = meta.tail
-            assert tail is not None and residuals is not None
-            # residuals: [kvh, rows read * stride, d], the decode sequences' rows first
-            tail_args = (*new_kv, *residuals, tail.decode_pos, tail.decode_valid)
+            assert tail is not None and cache.kv_tail is not None
+            # the store rows read, the decode sequences' first
+            tail_args = (*new_kv, *cache.kv_tail, tail.read_rows, tail.decode_pos,
+                         tail.decode_valid)  # fmt: skip
         return self._native.decode_attention(
             q, cache, meta.decode_block_tables, lens, scale, tail_args
         )
@@ -387,7 +389,9 @@ class TorchRefAttention:
         dtype = q.dtype
         tail = meta.tail
         residuals = None
-        if tail is not None:
+        native_decode = self._native is not None and self._native.decode_supported(cache, dtype)
+        if tail is not None and (meta.prefill_seq_ids or not native_decode):
+            # the native decode reads the store itself: dequantized rows for the rest
             assert cache.kv_tail is not None
             kv_res = self._read_tail_store(cache.kv_tail, tail.read_rows, dtype)
             num_kv_heads = kv_res.shape[0] // 2

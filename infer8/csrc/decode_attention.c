@@ -262,18 +262,36 @@ static void sum_cached(const float* w, int64_t stride, const char* const* rows, 
     }
 }
 
+// Residual row `off` of store row `seat` of head `head` (the exact tail's E4M3 store: values
+// [heads, seats, stride, D], bf16 scales [heads, seats, stride]) as floats: value times scale,
+// rounded to bf16 unless x_f32 (what the torch reference's dequantization returns).
+static inline void residual_row(const uint8_t* store, const uint16_t* scales, int64_t head,
+                                int64_t seats, int64_t stride, int64_t seat, int64_t off,
+                                int64_t d, int x_f32, float* row) {
+    const int64_t at = (head * seats + seat) * stride + off;
+    const float sc = bf16_to_f32(scales[at]);
+    for (int64_t i = 0; i < d; i += 8) {
+        v8f r = load8(store + at * d, i, KV_E4M3) * sc;
+        if (!x_f32) r = rnd8(r);  // finite: E4M3 values times a bf16 scale
+        memcpy(row + i, &r, 32);
+    }
+}
+
 // q: [B, H, D] (query rows of the decode sequences); cache: [KVH, NB, BS, D]; scales:
 // [KVH, NB, BS] bf16 (FP8 only); table: [B, table_stride]; seq_lens: [B]. Tail (new_k NULL:
-// none): new_k/new_v [B, KVH, D] tail values of each sequence's newest token; res_k/res_v
-// [KVH, res_rows, D] residual rows, sequence b's W first at row b * W; pos/valid [B, W]. out: [B, H, D]. x_f32: q/new/res/out are
-// float32 (else bf16, with the torch reference's roundings: scores, probabilities, output).
+// none): new_k/new_v [B, KVH, D] tail values of each sequence's newest token; the residual
+// store (K's heads, then V's: [2 KVH, seats, stride, D] E4M3, scales bf16) read in place,
+// sequence b's width positions t at store row read_rows[b * width / stride + t / stride],
+// offset t % stride; pos/valid [B, width]. out: [B, H, D]. x_f32: q/new/out are float32 (else
+// bf16, with the torch reference's roundings: residuals, scores, probabilities, output).
 void infer8_decode_attention(
     const void* q, const void* k_cache, const void* v_cache, const uint16_t* k_scale,
     const uint16_t* v_scale, int kind, const int64_t* table, int64_t table_stride,
     const int64_t* seq_lens, int64_t batch, int64_t num_kv_heads, int64_t group,
     int64_t num_blocks, int64_t block_size, int64_t d, float sm_scale, int x_f32,
-    const void* new_k, const void* new_v, const void* res_k, const void* res_v,
-    const int64_t* pos, const float* valid, int64_t width, int64_t res_rows, void* out) {
+    const void* new_k, const void* new_v, const uint8_t* store, const uint16_t* store_scale,
+    const int64_t* read_rows, int64_t seats, int64_t stride, const int64_t* pos,
+    const float* valid, int64_t width, void* out) {
     const int64_t elem = kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1;
     const int is_fp8 = kind >= KV_E4M3;
     const int64_t num_heads = num_kv_heads * group;
@@ -328,13 +346,8 @@ void infer8_decode_attention(
         for (int64_t t = 0; t < width; t++) {
             if (valid[b * width + t] == 0.0f) continue;
             const int64_t p = pos[b * width + t];
-            const int64_t at = (h * res_rows + b * width + t) * d;
-            for (int64_t i = 0; i < d; i += 8) {
-                v8f r = load8(x_f32 ? (const void*)((const float*)res_k + at)
-                                    : (const void*)((const uint16_t*)res_k + at),
-                              i, x_f32 ? KV_F32 : KV_BF16);
-                memcpy(row + i, &r, 32);
-            }
+            const int64_t seat = read_rows[(b * width + t) / stride];
+            residual_row(store, store_scale, h, seats, stride, seat, t % stride, d, x_f32, row);
             for (int64_t g = 0; g < group; g++) {
                 v8f acc8 = {0};
                 for (int64_t i = 0; i < d; i += 8) {
@@ -402,11 +415,12 @@ void infer8_decode_attention(
         for (int64_t t = 0; t < width; t++) {  // p.r at each valid tail position
             if (valid[b * width + t] == 0.0f) continue;
             const int64_t p = pos[b * width + t];
-            const int64_t at = (h * res_rows + b * width + t) * d;
+            const int64_t seat = read_rows[(b * width + t) / stride];
+            residual_row(store, store_scale, num_kv_heads + h, seats, stride, seat, t % stride, d,
+                         x_f32, row);
             for (int64_t i = 0; i < d; i += 8) {
-                v8f r = load8(x_f32 ? (const void*)((const float*)res_v + at)
-                                    : (const void*)((const uint16_t*)res_v + at),
-                              i, x_f32 ? KV_F32 : KV_BF16);
+                v8f r;
+                memcpy(&r, row + i, 32);
                 for (int64_t g = 0; g < group; g++) {
                     v8f a;
                     memcpy(&a, acc + g * d + i, 32);

@@ -1,5 +1,6 @@
 // Shared by the native CPU kernels: 8-lane vector types (GCC vector extensions: AVX2,
-// AVX-512 or NEON from the same source), a vectorized e^x for softmaxes, a horizontal sum.
+// AVX-512 or NEON from the same source), a vectorized e^x for softmaxes, float32 / bf16 loads
+// and stores, a horizontal sum.
 #ifndef INFER8_SIMD_H
 #define INFER8_SIMD_H
 
@@ -35,6 +36,70 @@ static inline v8f exp8(v8f x) {
     v8f scale;
     memcpy(&scale, &bits, 32);
     return y * scale;
+}
+
+// float32 or bf16 (bf16 != 0) tensors as floats: element i, 8 elements from i; stores round to
+// nearest even as torch's .to(bfloat16) does (finite values).
+static inline float ld1(const void* x, int64_t i, int bf16) {
+    if (!bf16) return ((const float*)x)[i];
+    const uint32_t b = (uint32_t)((const uint16_t*)x)[i] << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline v8f ld8(const void* x, int64_t i, int bf16) {
+    v8f out;
+    if (!bf16) {
+        memcpy(&out, (const float*)x + i, 32);
+    } else {
+        typedef uint16_t v8u16_ __attribute__((vector_size(16)));
+        v8u16_ h;
+        memcpy(&h, (const uint16_t*)x + i, 16);
+        v8i bits = __builtin_convertvector(h, v8i) << 16;
+        memcpy(&out, &bits, 32);
+    }
+    return out;
+}
+
+static inline float rnd1(float f) {  // f rounded to bf16 precision (kept as a float)
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline v8f rnd8(v8f v) {
+    v8i b;
+    memcpy(&b, &v, 32);
+    b = (b + 0x7fff + ((b >> 16) & 1)) & (int32_t)0xffff0000;
+    memcpy(&v, &b, 32);
+    return v;
+}
+
+static inline void st1(void* x, int64_t i, float f, int bf16) {
+    if (!bf16) {
+        ((float*)x)[i] = f;
+        return;
+    }
+    f = rnd1(f);
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    ((uint16_t*)x)[i] = (uint16_t)(b >> 16);
+}
+
+static inline void st8(void* x, int64_t i, v8f v, int bf16) {
+    if (!bf16) {
+        memcpy((float*)x + i, &v, 32);
+        return;
+    }
+    typedef uint16_t v8u16_ __attribute__((vector_size(16)));
+    v8i b;
+    memcpy(&b, &v, 32);
+    b = (b + 0x7fff + ((b >> 16) & 1)) >> 16;
+    v8u16_ h = __builtin_convertvector(b, v8u16_);
+    memcpy((uint16_t*)x + i, &h, 16);
 }
 
 static inline float hsum(v8f v) {

@@ -18,42 +18,6 @@ enum { QB = 4, HB = 3, ROWS = QB * HB, CHUNKS = 4 };  // a task's rows: QB queri
 
 typedef uint8_t v8u8 __attribute__((vector_size(8)));
 
-// Element i of a float32 (bf16 == 0) or bf16 tensor, as a float.
-static inline float at(const void* x, int64_t i, int bf16) {
-    if (!bf16) return ((const float*)x)[i];
-    const uint32_t b = (uint32_t)((const uint16_t*)x)[i] << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-// 8 consecutive elements as floats.
-static inline v8f at8(const void* x, int64_t i, int bf16) {
-    v8f out;
-    if (!bf16) {
-        memcpy(&out, (const float*)x + i, 32);
-    } else {
-        typedef uint16_t v8u16 __attribute__((vector_size(16)));
-        v8u16 h;
-        memcpy(&h, (const uint16_t*)x + i, 16);
-        v8i bits = __builtin_convertvector(h, v8i) << 16;
-        memcpy(&out, &bits, 32);
-    }
-    return out;
-}
-
-// Store 8 floats as float32 or bf16 (round to nearest even, as torch's .to(bfloat16)).
-static inline void store8(void* x, int64_t i, v8f v, int bf16) {
-    if (!bf16) {
-        memcpy((float*)x + i, &v, 32);
-        return;
-    }
-    v8i b;
-    memcpy(&b, &v, 32);
-    b = (b + 0x7fff + ((b >> 16) & 1)) >> 16;
-    for (int l = 0; l < 8; l++) ((uint16_t*)x)[i + l] = (uint16_t)b[l];
-}
-
 // kt [tiles][d][8]: keys 8t .. 8t + 7 of one KV head (k [n, d]), transposed; zero past n.
 static void transpose_keys(const void* k, int64_t n, int64_t d, int bf16, float* kt) {
     const int64_t tiles = (n + 7) / 8;
@@ -61,7 +25,7 @@ static void transpose_keys(const void* k, int64_t n, int64_t d, int bf16, float*
         float* dst = kt + t * d * 8;
         for (int64_t j = 0; j < 8; j++) {
             const int64_t key = t * 8 + j;
-            for (int64_t c = 0; c < d; c++) dst[c * 8 + j] = key < n ? at(k, key * d + c, bf16) : 0.0f;
+            for (int64_t c = 0; c < d; c++) dst[c * 8 + j] = key < n ? ld1(k, key * d + c, bf16) : 0.0f;
         }
     }
 }
@@ -90,7 +54,7 @@ static inline __attribute__((always_inline)) void weighted_rows(
     for (int64_t j = 0; j < count; j++) {
         const char* row = (second[j] ? v2 : v1) + (j * d + c0) * es;
         v8f vv[CHUNKS];
-        for (int c = 0; c < nc; c++) vv[c] = at8(row, 8 * c, bf16);
+        for (int c = 0; c < nc; c++) vv[c] = ld8(row, 8 * c, bf16);
         for (int h = 0; h < HB; h++) {
             const float w = p[h][j];
             for (int c = 0; c < nc; c++) a[h][c] += w * vv[c];
@@ -135,7 +99,7 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                 const int64_t i = qb * QB + r / HB, g = hb * HB + r % HB;
                 qi[r] = i < q_len ? i : q_len - 1;
                 const int64_t h = kvh * group + (g < group ? g : group - 1);
-                for (int64_t c = 0; c < d; c++) qbuf[r * d + c] = at(q, qi[r] * q_tok + h * q_head + c, bf16);
+                for (int64_t c = 0; c < d; c++) qbuf[r * d + c] = ld1(q, qi[r] * q_tok + h * q_head + c, bf16);
                 qr[r] = qbuf + r * d;
                 pos[r] = q_start + qi[r];
             }
@@ -220,7 +184,7 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                     for (int h = 0; h < HB && hb * HB + h < group; h++) {  // not repeated heads
                         const int64_t o = i * o_tok + (kvh * group + hb * HB + h) * o_head;
                         for (int c = 0; c < nc; c++)
-                            store8(out, o + c0 + 8 * c, a[h][c] * inv[qq * HB + h], bf16);
+                            st8(out, o + c0 + 8 * c, a[h][c] * inv[qq * HB + h], bf16);
                     }
                     c0 += 8 * nc;
                 }

@@ -142,7 +142,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
-        self.kernels: NativeFP8Gather | None = None  # CPU float32: one native pass
+        self.kernels: NativeFP8Gather | None = None  # CPU float32 / bf16: one native pass
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """Normalize the last dim; with `add`, first x += add in place (the residual stream)."""
@@ -171,7 +171,7 @@ class Attention(nn.Module):
         self.o_proj = row_parallel_linear(self.q_size, cfg.hidden_size, tp_group)
         self.scale = self.head_dim**-0.5
         self.backend: AttentionBackend = TorchRefAttention()
-        self.kernels: NativeFP8Gather | None = None  # CPU float32: RoPE in one native pass
+        self.kernels: NativeFP8Gather | None = None  # CPU float32 / bf16: RoPE in one pass
 
     def forward(
         self,
@@ -220,7 +220,7 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = row_parallel_linear(cfg.intermediate_size, cfg.hidden_size, tp_group)
-        self.kernels: NativeFP8Gather | None = None  # CPU float32: silu(gate) * up in one pass
+        self.kernels: NativeFP8Gather | None = None  # CPU float32 / bf16: silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply silu(gate) * up, then project down."""
@@ -288,8 +288,8 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.backend = backend
 
     def set_cpu_kernels(self, kernels: NativeFP8Gather) -> None:
-        """Run RMSNorm (with the residual add), RoPE and silu * up natively on float32 CPU
-        tensors (csrc/elementwise.c): one pass each instead of several torch ops."""
+        """Run RMSNorm (with the residual add), RoPE and silu * up natively on float32 or bf16
+        CPU tensors (csrc/elementwise.c): one pass each instead of several torch ops."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.kernels = kernels

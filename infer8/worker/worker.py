@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# compute dtypes of the native element-wise passes (csrc/elementwise.c) on CPU
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
 
 class Worker:
     """Owns one rank's model shard, KV cache tensors, attention backend, runner and graphs."""
@@ -73,7 +76,7 @@ class Worker:
         self.packed_linear_layers = self._pack_cpu_weights(model, model_config, scheduler_config)
         if model_config.device.type == "cpu":  # steps' large activations reuse heap blocks
             HostMemory().reuse_large_blocks()
-        if model_config.device.type == "cpu" and model_config.dtype == torch.float32:
+        if model_config.device.type == "cpu" and model_config.dtype in _NATIVE_DTYPES:
             kernels = NativeFP8Gather.load()  # built once per machine; None without a compiler
             if kernels is not None:
                 model.set_cpu_kernels(kernels)
@@ -147,15 +150,16 @@ class Worker:
     def _pack_cpu_weights(
         self, model: LlamaForCausalLM, model_config: ModelConfig, sched: SchedulerConfig
     ) -> int:
-        """Pack float32 CPU linear weights for oneDNN once (see cpu_linear.py); how many."""
+        """Pack CPU linear weights (float32, or bf16 where oneDNN has it) for oneDNN once (see
+        cpu_linear.py); how many."""
         if not packing_applies(model_config.device, model_config.dtype):
             return 0
         batch_hint = min(sched.max_num_seqs, 256)
-        reason = probe_packing(batch_hint)
+        reason = probe_packing(batch_hint, model_config.dtype)
         if reason is not None:
             logger.warning("CPU linear layers stay unpacked: %s", reason)
             return 0
-        return pack_linear_layers(model, batch_hint)
+        return pack_linear_layers(model, batch_hint, model_config.dtype)
 
     def _kv_budget_bytes(self, model: LlamaForCausalLM, model_config: ModelConfig) -> int:
         """Return the KV cache budget (see worker/memory.py) and print where it came from.

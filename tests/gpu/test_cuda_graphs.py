@@ -92,6 +92,14 @@ def _prefill(
     return block_ids
 
 
+def _codes(t: torch.Tensor) -> torch.Tensor:
+    """Each element's bit pattern as a monotonic integer (sign-magnitude: -0 == +0), so that
+    neighbouring representable values are 1 apart."""
+    bits = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]).long()
+    magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
+    return torch.where(bits < 0, -magnitude, magnitude)
+
+
 def _cache_tensors(caches: list) -> list[torch.Tensor]:
     out = []
     for c in caches:
@@ -132,8 +140,14 @@ def test_padded_bucket_decode_equals_unpadded_and_writes_nothing_else(
     got = runner.run(ids, positions, meta)  # bucket 4: one padding row
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    for t, old in zip(_cache_tensors(caches), after):  # what the eager step wrote, no more
-        assert torch.equal(t.view(torch.uint8), old.view(torch.uint8))
+    for t, old, was in zip(_cache_tensors(caches), after, before):
+        # what the eager step wrote, no more: elements it left alone are untouched, and those it
+        # wrote hold its values to one rounding step (a 4-row matmul may round otherwise than
+        # a 3-row one, and a residual near a rounding boundary lands on the next FP8 code)
+        written = _codes(old) != _codes(was)
+        assert torch.equal(_codes(t)[~written], _codes(old)[~written])
+        steps = (_codes(t)[written] - _codes(old)[written]).abs()
+        assert steps.numel() == 0 or int(steps.max()) <= 1
     if tail_window:  # and the step did write ring residuals
         assert any(not torch.equal(a, b) for a, b in zip(after, before))
 

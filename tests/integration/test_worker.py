@@ -14,6 +14,7 @@ from infer8 import plan
 from infer8.attention import select_backend
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
+from infer8.worker.cpu_linear import packing_applies
 from infer8.worker.kv_cache import KVCacheSpec
 from infer8.worker.memory import device_memory_bytes
 from tests.utils import build_tiny_model
@@ -102,7 +103,12 @@ def test_plan_and_engine_agree_on_the_kv_budget(tmp_path: Path) -> None:
     ram = device_memory_bytes(torch.device("cpu"))
     inputs = plan.PlanInputs(
         model=shape,
-        device=plan.DeviceSpec("this host's RAM", ram, 1e10),
+        device=plan.DeviceSpec(
+            "this host's RAM",
+            ram,
+            1e10,
+            packed_tied_lm_head=packing_applies(torch.device("cpu"), torch.bfloat16),
+        ),
         gpu_memory_utilization=utilization,
         max_num_seqs=256,
         max_num_batched_tokens=512,

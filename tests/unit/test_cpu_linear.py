@@ -12,6 +12,7 @@ from infer8.worker.cpu_linear import (
     PackedLinear,
     linear_matmul,
     pack_linear_layers,
+    packed_dtypes,
     packing_applies,
     probe_packing,
 )
@@ -33,18 +34,30 @@ class _DoublingGroup:
         return torch.cat([y, -y], dim=-1)
 
 
+_BF16 = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(
+        torch.bfloat16 not in packed_dtypes(), reason="oneDNN has no bf16 on this CPU"
+    ),
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, _BF16])
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
-def test_packed_linear_matches_f_linear_at_every_batch_size(rows: int) -> None:
+def test_packed_linear_matches_f_linear_at_every_batch_size(rows: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows)
     linear = nn.Linear(64, 96, bias=True)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(96, 64, generator=gen))
         linear.bias.copy_(torch.randn(96, generator=gen))
-    x = torch.randn(rows, 64, generator=gen)
+    linear = linear.to(dtype)
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
     ref = F.linear(x, linear.weight, linear.bias)
     packed = PackedLinear(linear, batch_hint=32)
-    torch.testing.assert_close(packed(x), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(linear_matmul(packed, x), ref, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the outputs' rounding
+    assert packed(x).dtype == dtype
+    torch.testing.assert_close(packed(x), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(linear_matmul(packed, x), ref, rtol=tol, atol=tol)
     assert packed.packed_weight.layout == torch._mkldnn
 
 
@@ -64,11 +77,18 @@ def test_packing_keeps_the_tensor_parallel_collectives() -> None:
     torch.testing.assert_close(linear_matmul(model.o_proj, x), ref_o / 2, rtol=1e-5, atol=1e-5)
 
 
-def test_only_float32_on_cpu_is_packed() -> None:
+def test_float32_and_native_bf16_on_cpu_are_packed() -> None:
     assert packing_applies(torch.device("cpu"), torch.float32)
-    assert not packing_applies(torch.device("cpu"), torch.bfloat16)
+    bf16_native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert packing_applies(torch.device("cpu"), torch.bfloat16) == bf16_native
+    assert not packing_applies(torch.device("cpu"), torch.float16)
     assert not packing_applies(torch.device("cuda"), torch.float32)
     assert probe_packing(32) is None
+    if bf16_native:
+        assert probe_packing(32, torch.bfloat16) is None
     model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8))
-    assert pack_linear_layers(model, batch_hint=4) == 1
+    assert pack_linear_layers(model, batch_hint=4) == 1  # only the compute dtype's layers
     assert isinstance(model[0], nn.Linear) and isinstance(model[1], PackedLinear)
+    if bf16_native:
+        assert pack_linear_layers(model, batch_hint=4, dtype=torch.bfloat16) == 1
+        assert isinstance(model[0], PackedLinear)

@@ -110,10 +110,14 @@ def test_native_two_value_attention_matches_torch(
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_len, window, valid_from", [(200, 24, 0), (70, 24, 30), (5, 8, 11)])
-def test_native_band_matches_the_torch_band(q_len: int, window: int, valid_from: int) -> None:
-    """The C band (float32 CPU) against _band_part: outputs and log-sum-exps, GQA 3; rows
-    that see no key (valid_from past their window) get -inf and zeros in both."""
+def test_native_band_matches_the_torch_band(
+    q_len: int, window: int, valid_from: int, dtype: torch.dtype
+) -> None:
+    """The C band (float32 or bf16 CPU) against _band_part in float32 on the same inputs:
+    outputs and log-sum-exps, GQA 3; rows that see no key (valid_from past their window) get
+    -inf and zeros in both."""
     from infer8.attention.cpu_native import NativeFP8Gather, build_library
     from infer8.attention.split_prefill import Band, _band_part
 
@@ -123,11 +127,14 @@ def test_native_band_matches_the_torch_band(q_len: int, window: int, valid_from:
     q = torch.randn(kvh * group, q_len, d)
     k = torch.randn(kvh, q_len + window - 1, d) * 2
     v = torch.randn(kvh, q_len + window - 1, d)
-    band = Band(k, v, window, valid_from)
-    want_out, want_lse = _band_part(q, band, 0.125)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    band = Band(k.float(), v.float(), window, valid_from)
+    want_out, want_lse = _band_part(q.float(), band, 0.125)
     got_out, got_lse = native.band_attention(q, k, v, window, valid_from, 0.125)
+    assert got_out.dtype == dtype and got_lse.dtype == torch.float32
     unseen = want_lse == -float("inf")
     assert torch.equal(got_lse == -float("inf"), unseen)
     assert unseen.any() == (valid_from >= window)
     torch.testing.assert_close(got_lse[~unseen], want_lse[~unseen], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
+    torch.testing.assert_close(got_out.float(), want_out, rtol=tol, atol=tol)
