@@ -3,13 +3,14 @@
     python benchmarks/native_kernel_ab.py --base ea45767                    # decode attention calls
     python benchmarks/native_kernel_ab.py --base ea45767 --engine           # engine decode steps
     python benchmarks/native_kernel_ab.py --base ea45767 --engine --prompt-len 2048 --batch 8
+    python benchmarks/native_kernel_ab.py --base c4eae87 --engine --dtype auto   # bf16 compute
 
 The base revision's infer8/csrc sources are compiled into a second library (git show, the same
 flags). Kernel mode calls both libraries' decode attention in turn on the same paged cache
 (contiguous blocks, 3 KV heads x GQA 3 x 64 dims, the default model's layer), reading a 64 MB
 buffer before each call so that the cache comes from memory as in a model step, where the
-weights evict it. Engine mode builds one engine per (KV dtype, library), float32 compute, and
-steps them in turn; it prints the median step and the time inside the decode attention calls.
+weights evict it. Engine mode builds one engine per (KV dtype, library), float32 compute
+(`--dtype`), and steps them in turn; it prints the median step and the time inside the decode attention calls.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ def base_library(rev: str, out: Path) -> Path:
     src = out / "csrc"
     src.mkdir(parents=True, exist_ok=True)
     sources = []
-    for path in cpu_native._SOURCES:
+    for path in (*cpu_native._SOURCES, *cpu_native._HEADERS):
         rel = path.relative_to(REPO).as_posix()
         text = subprocess.run(
-            ["git", "show", f"{rev}:{rel}"], cwd=REPO, check=True, capture_output=True
-        ).stdout
+            ["git", "show", f"{rev}:{rel}"], cwd=REPO, capture_output=True
+        ).stdout  # a header the revision lacks: it does not include it either
         (src / path.name).write_bytes(text)
-        sources.append(src / path.name)
+        if path in cpu_native._SOURCES:
+            sources.append(src / path.name)
     saved = cpu_native._SOURCES
     cpu_native._SOURCES = tuple(sources)
     try:
@@ -86,7 +88,11 @@ def kernel(libs: dict[str, cpu_native.NativeFP8Gather], calls: int) -> None:
 
 
 def engine_steps(
-    libs: dict[str, cpu_native.NativeFP8Gather], batch: int, prompt_len: int, steps: int
+    libs: dict[str, cpu_native.NativeFP8Gather],
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    dtype: str = "float32",
 ) -> None:
     params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     runs = []
@@ -94,7 +100,7 @@ def engine_steps(
         for name, lib in libs.items():
             engine = LLMEngine(
                 EngineArgs(
-                    dtype="float32",
+                    dtype=dtype,
                     kv_cache_dtype=kv,
                     max_num_seqs=batch,
                     kv_cache_memory_bytes=max(1 << 29, batch * (prompt_len + steps + 80) * 50_000),
@@ -152,6 +158,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--calls", type=int, default=60)
+    p.add_argument("--dtype", default="float32", help="engine mode's compute dtype")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         libs = {
@@ -159,7 +166,7 @@ def main() -> None:
             "head": cpu_native.NativeFP8Gather(cpu_native.build_library()),
         }
         if args.engine:
-            engine_steps(libs, args.batch, args.prompt_len, args.steps)
+            engine_steps(libs, args.batch, args.prompt_len, args.steps, args.dtype)
         else:
             kernel(libs, args.calls)
 

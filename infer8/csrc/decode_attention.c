@@ -20,6 +20,16 @@
 #include "simd.h"
 
 typedef uint8_t v8u8 __attribute__((vector_size(8)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+static inline v4f rnd4(v4f v) {  // to bf16 precision, nearest even (finite values)
+    v4i b;
+    memcpy(&b, &v, 16);
+    b = (b + 0x7fff + ((b >> 16) & 1)) & (int32_t)0xffff0000;
+    memcpy(&v, &b, 16);
+    return v;
+}
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
@@ -173,12 +183,16 @@ static inline __attribute__((always_inline)) void score_keys(
             prefetch_row(rows[k], row_bytes);
         }
         dot_tile(qf, d, rows + j, kind, nh, MAX_KEYS, dots);
-        for (int g = 0; g < nh; g++)
-            for (int k = 0; k < MAX_KEYS; k++) {
-                float sc = dots[g][k] * kscale[j + k];
-                if (!x_f32) sc = round_bf16(sc);
-                scores[g * len + j + k] = sc * sm_scale;
-            }
+        v4f ks;
+        memcpy(&ks, kscale + j, 16);
+        for (int g = 0; g < nh; g++) {  // 4 lanes at once: the same roundings as one by one
+            v4f sc;
+            memcpy(&sc, dots[g], 16);
+            sc *= ks;
+            if (!x_f32) sc = rnd4(sc);
+            sc *= sm_scale;
+            memcpy(scores + g * len + j, &sc, 16);
+        }
     }
     for (; j < n; j++) {
         dot_tile(qf, d, rows + j, kind, nh, 1, dots);
@@ -331,6 +345,7 @@ void infer8_decode_attention(
                 vs[j] = is_fp8 ? bf16_to_f32(v_scale[slot]) * unit : 1.0f;
             }
         }
+        for (int64_t j = n; j < len; j++) vs[j] = 1.0f;  // the newest token's tail value
         // scores
         score_cached(qf, d, krows, ks, n, kind, group, x_f32, sm_scale, scores, len);
         if (n < len) {  // the newest token's tail key, as written by the model
@@ -395,10 +410,21 @@ void infer8_decode_attention(
             }
             sum += hsum(vsum);
             const float inv = 1.0f / sum;
-            for (int64_t j = 0; j < len; j++) {
+            j = 0;
+            for (; j + 8 <= len; j += 8) {  // vs is 1 past n (the newest token's tail value)
+                v8f p, sv;
+                memcpy(&p, sg + j, 32);
+                memcpy(&sv, vs + j, 32);
+                p *= inv;
+                if (!x_f32) p = rnd8(p);
+                memcpy(sg + j, &p, 32);
+                p *= sv;
+                memcpy(w + g * len + j, &p, 32);
+            }
+            for (; j < len; j++) {
                 sg[j] *= inv;
                 if (!x_f32) sg[j] = round_bf16(sg[j]);
-                w[g * len + j] = j < n ? sg[j] * vs[j] : sg[j];
+                w[g * len + j] = sg[j] * vs[j];
             }
         }
         // values
