@@ -100,6 +100,7 @@ class NativeFP8Gather:
                         p, p, i32)  # fmt: skip
         self._gather = bind("infer8_gather_blocks", p, p, i64, i64, i64, i64, p)
         self._residual = bind("infer8_tail_residual", p, i64, i64, i32, i32, f32, f32, p, p, p)
+        self._write_store = bind("infer8_write_store", p, p, p, p, i64, i64, i64, i64, p, p)
         self._write = bind("infer8_write_fp8", p, i64, i64, i64, i32, i32, f32, p, i64, p, p)
         self._decode = bind("infer8_decode_attention", p, p, p, p, p, i32, p, i64, p, i64, i64,
                             i64, i64, i64, i64, f32, i32, p, p, p, p, p, i64, i64, p, p, i64,
@@ -215,6 +216,30 @@ class NativeFP8Gather:
             tail.data_ptr(),
         )
         return res_q, res_scale, tail
+
+    def write_store(
+        self,
+        store: tuple[torch.Tensor, torch.Tensor],
+        residual: tuple[torch.Tensor, torch.Tensor],
+        token_ids: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """exact_tail.write_store in one native pass: the residuals of tokens `token_ids`
+        (values [tokens, heads, d] E4M3, scales [tokens, heads]) into the store's `slots`."""
+        if slots.numel() == 0:
+            return
+        values, scales = store
+        heads, d = values.shape[0], values.shape[-1]
+        res_q, res_scale = residual[0].contiguous(), residual[1].contiguous()
+        assert values.is_contiguous() and scales.is_contiguous() and values.device.type == "cpu"
+        assert res_q.dtype == values.dtype and res_scale.dtype == scales.dtype
+        assert res_q.shape[1:] == (heads, d) and res_scale.shape[1:] == (heads,)
+        ids, at = token_ids.contiguous(), slots.contiguous()
+        assert ids.dtype == at.dtype == torch.int64 and ids.numel() == at.numel()
+        self._write_store(
+            res_q.data_ptr(), res_scale.data_ptr(), ids.data_ptr(), at.data_ptr(), ids.numel(),
+            heads, d, values[0].numel() // d, values.data_ptr(), scales.data_ptr(),
+        )  # fmt: skip
 
     def write_fp8(
         self,

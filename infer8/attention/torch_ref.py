@@ -330,11 +330,12 @@ class TorchRefAttention:
             tail = meta.tail
             residual, values = self._tail_values(cache, k_new, v_new)
             store = cache.kv_tail
-            exact_tail.write_store(
-                store, residual, tail.sink_write_token_ids, tail.sink_write_slots
-            )
+            write_store = exact_tail.write_store
+            if self._native is not None and store[0].device.type == "cpu":
+                write_store = self._native.write_store  # one pass, no index_put
+            write_store(store, residual, tail.sink_write_token_ids, tail.sink_write_slots)
             out = self._attend(q, cache, meta, scale, values)
-            exact_tail.write_store(store, residual, tail.write_token_ids, tail.write_slots)
+            write_store(store, residual, tail.write_token_ids, tail.write_slots)
         if cache.k_rotation is not None and cache.rotate_values:
             out = self._rotate(out, cache.k_rotation)  # H is its own inverse
         return out

@@ -225,3 +225,19 @@ void infer8_write_fp8(const void* x, int64_t num_tokens, int64_t num_kv_heads, i
         }
     }
 }
+
+// exact_tail.write_store: the residuals of tokens token_ids[i] ([tokens, heads, d] E4M3 values,
+// [tokens, heads] bf16 scales) into the tail store's slots slots[i] (store [heads,
+// store_slots, d], scales [heads, store_slots]). A decode step writes one row per sequence and
+// head: a plain loop, no threads.
+void infer8_write_store(const uint8_t* res_q, const uint16_t* res_scale, const int64_t* token_ids,
+                        const int64_t* slots, int64_t n, int64_t heads, int64_t d,
+                        int64_t store_slots, uint8_t* store, uint16_t* store_scale) {
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t from = token_ids[i] * heads + h, to = h * store_slots + slots[i];
+            memcpy(store + to * d, res_q + from * d, (size_t)d);
+            store_scale[to] = res_scale[from];
+        }
+    }
+}

@@ -285,3 +285,31 @@ def test_rope_in_place_matches_apply_rope(native: NativeFP8Gather, dtype: torch.
         assert torch.equal(qk, want)
     torch.testing.assert_close(qk, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, 12 * 64 :], v_before)  # V untouched
+
+
+def test_write_store_matches_the_torch_write(native: NativeFP8Gather) -> None:
+    """The exact tail's store write: the same bytes in the same slots, nothing else touched."""
+    from infer8.attention.exact_tail import write_store
+
+    torch.manual_seed(0)
+    heads, seats, stride, d, tokens = 6, 5, 27, 64, 9
+    res = (
+        (torch.randn(tokens, heads, d) * 50).to(torch.float8_e4m3fn),
+        torch.rand(tokens, heads).to(torch.bfloat16),
+    )
+    store = (
+        (torch.randn(heads, seats, stride, d) * 50).to(torch.float8_e4m3fn),
+        torch.rand(heads, seats, stride).to(torch.bfloat16),
+    )
+    want = tuple(t.clone() for t in store)
+    before = store[0].clone()
+    token_ids = torch.tensor([8, 0, 3, 5])
+    slots = torch.tensor([0, 1 * stride + 7, 4 * stride + 26, 2 * stride])
+    write_store(want, res, token_ids, slots)
+    native.write_store(store, res, token_ids, slots)
+    assert not torch.equal(want[0].view(torch.uint8), before.view(torch.uint8))
+    for got, ref in zip(store, want):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    native.write_store(store, res, token_ids[:0], slots[:0])  # nothing to write
+    for got, ref in zip(store, want):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
