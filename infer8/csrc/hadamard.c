@@ -57,31 +57,28 @@ static void fwht_row(float* v, int64_t d) {
 void infer8_hadamard_rows(const void* x, int64_t n, int64_t h, int64_t d, int64_t s0,
                           int64_t s1, int x_f32, void* out) {
     const float norm = 1.0f / sqrtf((float)d);
+    const int bf16 = !x_f32;
 #pragma omp parallel for schedule(static) if (n * h >= 64)
     for (int64_t t = 0; t < n; t++) {
         for (int64_t k = 0; k < h; k++) {
             float v[1024] __attribute__((aligned(32)));
             const int64_t at = t * s0 + k * s1, o = (t * h + k) * d;
-            if (x_f32) {
-                memcpy(v, (const float*)x + at, d * sizeof(float));
-            } else {
-                for (int64_t i = 0; i < d; i++) {
-                    uint32_t b = (uint32_t)((const uint16_t*)x)[at + i] << 16;
-                    memcpy(&v[i], &b, 4);
+            if (d % 8 == 0) {  // 8 lanes in and out (the same values and roundings)
+                for (int64_t i = 0; i < d; i += 8) {
+                    v8f x8 = ld8(x, at + i, bf16);
+                    memcpy(v + i, &x8, 32);
                 }
+                fwht_row(v, d);
+                for (int64_t i = 0; i < d; i += 8) {
+                    v8f y;
+                    memcpy(&y, v + i, 32);
+                    st8(out, o + i, y * norm, bf16);
+                }
+                continue;
             }
+            for (int64_t i = 0; i < d; i++) v[i] = ld1(x, at + i, bf16);
             fwht_row(v, d);
-            for (int64_t i = 0; i < d; i++) {
-                const float f = v[i] * norm;
-                if (x_f32) {
-                    ((float*)out)[o + i] = f;
-                } else {
-                    uint32_t b;
-                    memcpy(&b, &f, 4);
-                    b += 0x7FFFu + ((b >> 16) & 1u);  // round to nearest even
-                    ((uint16_t*)out)[o + i] = (uint16_t)(b >> 16);
-                }
-            }
+            for (int64_t i = 0; i < d; i++) st1(out, o + i, v[i] * norm, bf16);
         }
     }
 }
