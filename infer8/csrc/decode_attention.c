@@ -276,28 +276,14 @@ static void sum_cached(const float* w, int64_t stride, const char* const* rows, 
     }
 }
 
-// Residual row `off` of store row `seat` of head `head` (the exact tail's E4M3 store: values
-// [heads, seats, stride, D], bf16 scales [heads, seats, stride]) as floats: value times scale,
-// rounded to bf16 unless x_f32 (what the torch reference's dequantization returns).
-static inline void residual_row(const uint8_t* store, const uint16_t* scales, int64_t head,
-                                int64_t seats, int64_t stride, int64_t seat, int64_t off,
-                                int64_t d, int x_f32, float* row) {
-    const int64_t at = (head * seats + seat) * stride + off;
-    const float sc = bf16_to_f32(scales[at]);
-    for (int64_t i = 0; i < d; i += 8) {
-        v8f r = load8(store + at * d, i, KV_E4M3) * sc;
-        if (!x_f32) r = rnd8(r);  // finite: E4M3 values times a bf16 scale
-        memcpy(row + i, &r, 32);
-    }
-}
-
 // q: [B, H, D] (query rows of the decode sequences); cache: [KVH, NB, BS, D]; scales:
 // [KVH, NB, BS] bf16 (FP8 only); table: [B, table_stride]; seq_lens: [B]. Tail (new_k NULL:
 // none): new_k/new_v [B, KVH, D] tail values of each sequence's newest token; the residual
 // store (K's heads, then V's: [2 KVH, seats, stride, D] E4M3, scales bf16) read in place,
 // sequence b's width positions t at store row read_rows[b * width / stride + t / stride],
 // offset t % stride; pos/valid [B, width]. out: [B, H, D]. x_f32: q/new/out are float32 (else
-// bf16, with the torch reference's roundings: residuals, scores, probabilities, output).
+// bf16, with the torch reference's roundings of scores, probabilities and the output; the
+// residuals' scales are applied after their dot products, as the cached rows' are).
 void infer8_decode_attention(
     const void* q, const void* k_cache, const void* v_cache, const uint16_t* k_scale,
     const uint16_t* v_scale, int kind, const int64_t* table, int64_t table_stride,
@@ -316,16 +302,38 @@ void infer8_decode_attention(
         if (len <= 0) continue;  // callers pass real sequences only
         // the newest token's tail value replaces its block value: n cached rows are read
         const int64_t n = new_k != NULL ? len - 1 : len;
-        float* qf = malloc(sizeof(float) * (group * d + 2 * group * len + group * d + d + 2 * len) +
-                           2 * sizeof(const char*) * len);
+        float* qf = malloc(sizeof(float) * (group * d + 2 * group * len + group * d + d + 2 * len +
+                                            2 * width + 2 * group * width) +
+                           sizeof(int64_t) * width + 2 * sizeof(const char*) * (len + width));
         float* scores = qf + group * d;
         float* w = scores + group * len;  // probabilities times each value row's scale
         float* acc = w + group * len;
-        float* row = acc + group * d;  // one converted row (the tail's values)
+        float* row = acc + group * d;  // one converted row (the newest token's tail values)
         float* ks = row + d;           // per-row scales (1 unless FP8)
         float* vs = ks + len;
-        const char** krows = (const char**)(vs + len);
+        // the valid tail positions' residual rows (E4M3, read in place) and their scales
+        float* tks = vs + len;
+        float* tvs = tks + width;
+        float* tscores = tvs + width;         // [group, width]: q.r of each
+        float* tw = tscores + group * width;  // [group, width]: p times its scale
+        const char** krows = (const char**)(tw + group * width);
         const char** vrows = krows + len;
+        const char** tkrows = vrows + len;
+        const char** tvrows = tkrows + width;
+        int64_t* tpos = (int64_t*)(tvrows + width);
+        int64_t nt = 0;  // valid tail positions
+        for (int64_t t = 0; t < width; t++) {
+            if (valid[b * width + t] == 0.0f) continue;
+            const int64_t seat = read_rows[(b * width + t) / stride];
+            const int64_t kat = (h * seats + seat) * stride + t % stride;
+            const int64_t vat = ((num_kv_heads + h) * seats + seat) * stride + t % stride;
+            tkrows[nt] = (const char*)(store + kat * d);
+            tvrows[nt] = (const char*)(store + vat * d);
+            // widened as value / 256 (load8_as): the exact 256 goes into the scale
+            tks[nt] = bf16_to_f32(store_scale[kat]) * 256.0f;
+            tvs[nt] = bf16_to_f32(store_scale[vat]) * 256.0f;
+            tpos[nt++] = pos[b * width + t];
+        }
         for (int64_t g = 0; g < group; g++)
             for (int64_t i = 0; i < d; i++) {
                 int64_t at = (b * num_heads + h * group + g) * d + i;
@@ -357,24 +365,11 @@ void infer8_decode_attention(
             float one = 1.0f;
             score_cached(qf, d, &fresh, &one, 1, KV_F32, group, x_f32, sm_scale, scores + n, len);
         }
-        // tail corrections: q.r at each valid tail position
-        for (int64_t t = 0; t < width; t++) {
-            if (valid[b * width + t] == 0.0f) continue;
-            const int64_t p = pos[b * width + t];
-            const int64_t seat = read_rows[(b * width + t) / stride];
-            residual_row(store, store_scale, h, seats, stride, seat, t % stride, d, x_f32, row);
-            for (int64_t g = 0; g < group; g++) {
-                v8f acc8 = {0};
-                for (int64_t i = 0; i < d; i += 8) {
-                    v8f a, r;
-                    memcpy(&a, qf + g * d + i, 32);
-                    memcpy(&r, row + i, 32);
-                    acc8 += a * r;
-                }
-                float s = hsum(acc8);
-                if (!x_f32) s = round_bf16(s);
-                scores[g * len + p] += s * sm_scale;
-            }
+        // tail corrections: q.r at each valid tail position, in the cached keys' tiles
+        if (nt > 0) {
+            score_cached(qf, d, tkrows, tks, nt, KV_E4M3, group, x_f32, sm_scale, tscores, width);
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t i = 0; i < nt; i++) scores[g * len + tpos[i]] += tscores[g * width + i];
         }
         // softmax per query head (probabilities in the model dtype, as the reference casts)
         for (int64_t g = 0; g < group; g++) {
@@ -438,22 +433,11 @@ void infer8_decode_attention(
             const char* fresh = (const char*)row;
             sum_cached(w + n, len, &fresh, 1, KV_F32, group, acc, d);
         }
-        for (int64_t t = 0; t < width; t++) {  // p.r at each valid tail position
-            if (valid[b * width + t] == 0.0f) continue;
-            const int64_t p = pos[b * width + t];
-            const int64_t seat = read_rows[(b * width + t) / stride];
-            residual_row(store, store_scale, num_kv_heads + h, seats, stride, seat, t % stride, d,
-                         x_f32, row);
-            for (int64_t i = 0; i < d; i += 8) {
-                v8f r;
-                memcpy(&r, row + i, 32);
-                for (int64_t g = 0; g < group; g++) {
-                    v8f a;
-                    memcpy(&a, acc + g * d + i, 32);
-                    a += scores[g * len + p] * r;
-                    memcpy(acc + g * d + i, &a, 32);
-                }
-            }
+        if (nt > 0) {  // p.r at each valid tail position, in the cached values' tiles
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t i = 0; i < nt; i++)
+                    tw[g * width + i] = scores[g * len + tpos[i]] * tvs[i];
+            sum_cached(tw, width, tvrows, nt, KV_E4M3, group, acc, d);
         }
         for (int64_t g = 0; g < group; g++)
             for (int64_t i = 0; i < d; i++) {
