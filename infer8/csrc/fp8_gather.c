@@ -155,6 +155,31 @@ static inline float to_dtype(float f, int out_f32) {
 // quantize that to E4M3 with its own scale, and return block value + dequantized residual (the
 // value the tail reads), in the compute dtype: the same numbers, bit for bit, as the torch
 // reference in exact_tail.py (`tail_values`).
+// max |v[j]| over j < d, 8 lanes at a time (a float max reduction the compiler leaves scalar
+// without -ffast-math; the maximum is exact in any order).
+static inline float abs_max(const float* v, int64_t d) {
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef int32_t v8m __attribute__((vector_size(32)));
+    v8 m = {0};
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        v8 x;
+        memcpy(&x, v + j, 32);
+        v8m bits;
+        memcpy(&bits, &x, 32);
+        bits &= 0x7FFFFFFF;  // |x|
+        memcpy(&x, &bits, 32);
+        v8m more = x > m, mb;
+        memcpy(&mb, &m, 32);
+        mb = (bits & more) | (mb & ~more);
+        memcpy(&m, &mb, 32);
+    }
+    float out = 0.0f;
+    for (int l = 0; l < 8; l++) out = m[l] > out ? m[l] : out;
+    for (; j < d; j++) out = fabsf(v[j]) > out ? fabsf(v[j]) : out;
+    return out;
+}
+
 void infer8_tail_residual(const void* x, int64_t rows, int64_t d, int x_f32, int block_is_e5m2,
                           float block_per_amax, float e4m3_per_amax, uint8_t* res_q,
                           uint16_t* res_scale, void* tail) {
@@ -166,17 +191,15 @@ void infer8_tail_residual(const void* x, int64_t rows, int64_t d, int x_f32, int
         for (int64_t j = 0; j < d; j++) {
             v[j] = x_f32 ? ((const float*)x)[r * d + j] : bf16_value(((const uint16_t*)x)[r * d + j]);
         }
-        float amax = 0.0f;
-        for (int64_t j = 0; j < d; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
-        const float s1 = bf16_value(dynamic_scale(amax, block_per_amax));
-        float ramax = 0.0f;
-        for (int64_t j = 0; j < d; j++) {
+        const float s1 = bf16_value(dynamic_scale(abs_max(v, d), block_per_amax));
+        float res[512];
+        for (int64_t j = 0; j < d; j++) {  // no reduction inside: the loop vectorizes
             float y = clampf(v[j] / s1, block_max);
             float deq = block_is_e5m2 ? e5m2_value(float_to_fp8(y, 1)) : e4m3_value(float_to_fp8(y, 0));
             xb[j] = to_dtype(deq * s1, x_f32);
-            float r = fabsf(v[j] - xb[j]);
-            ramax = r > ramax ? r : ramax;
+            res[j] = v[j] - xb[j];
         }
+        const float ramax = abs_max(res, d);
         const uint16_t s2_bits = dynamic_scale(ramax, e4m3_per_amax);
         const float s2 = bf16_value(s2_bits);
         res_scale[r] = s2_bits;
@@ -207,12 +230,10 @@ void infer8_write_fp8(const void* x, int64_t num_tokens, int64_t num_kv_heads, i
             const int64_t r = t * num_kv_heads + h;
             float v[512];
             if (d > 512) continue;  // the caller checks head_dim
-            float amax = 0.0f;
             for (int64_t j = 0; j < d; j++) {
                 v[j] = x_f32 ? ((const float*)x)[r * d + j] : bf16_value(((const uint16_t*)x)[r * d + j]);
-                amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
             }
-            const uint16_t s_bits = dynamic_scale(amax, per_amax);
+            const uint16_t s_bits = dynamic_scale(abs_max(v, d), per_amax);
             const float s = bf16_value(s_bits);
             const int64_t slot = h * num_slots + slot_mapping[t];
             scales[slot] = s_bits;
