@@ -36,6 +36,14 @@ _CORPUS = [
 ] * 20
 
 
+def float_ordinals(t: torch.Tensor) -> torch.Tensor:
+    """Each element's bit pattern as a monotonic integer (sign-magnitude, -0 == +0), so that
+    neighbouring representable values of t's dtype (FP8, bf16, float32) are 1 apart."""
+    bits = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]).long()
+    magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
+    return torch.where(bits < 0, -magnitude, magnitude)
+
+
 def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
     """Train a tiny byte-level BPE tokenizer and write tokenizer.json + tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

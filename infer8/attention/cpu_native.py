@@ -424,8 +424,7 @@ class NativeFP8Gather:
     def two_value_supported(q: torch.Tensor) -> bool:
         """Return whether two_value_attention runs on q [H, q_len, d] (float32 or bf16 on the
         CPU, d a multiple of 8)."""
-        dtypes = (torch.float32, torch.bfloat16)
-        return q.device.type == "cpu" and q.dtype in dtypes and q.shape[-1] % 8 == 0
+        return NativeFP8Gather.elementwise_supported(q) and q.shape[-1] % 8 == 0
 
     def two_value_attention(
         self,

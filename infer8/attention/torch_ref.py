@@ -224,7 +224,7 @@ class TorchRefAttention:
         """
         table = meta.decode_block_tables
         if self._native is not None and self._native.decode_supported(cache, q.dtype):
-            return self._native_decode(q, cache, meta, scale, new_kv, residuals)
+            return self._native_decode(q, cache, meta, scale, new_kv)
         k = self._read(cache.k, cache.k_scale, cache.k_static_scale, table, q.dtype, "k")
         v = self._read(cache.v, cache.v_scale, cache.v_static_scale, table, q.dtype, "v")
         tail = meta.tail
@@ -275,10 +275,9 @@ class TorchRefAttention:
         meta: AttentionMetadata,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None,
-        residuals: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """_decode in one native pass per (sequence, KV head): blocks and the tail's residual
-        store read in place (`residuals`, the torch path's dequantized rows, unused)."""
+        store read in place."""
         assert self._native is not None
         lens = meta.decode_seq_lens  # built once per step, not per layer
         tail_args = None

@@ -20,16 +20,6 @@
 #include "simd.h"
 
 typedef uint8_t v8u8 __attribute__((vector_size(8)));
-typedef float v4f __attribute__((vector_size(16)));
-typedef int32_t v4i __attribute__((vector_size(16)));
-
-static inline v4f rnd4(v4f v) {  // to bf16 precision, nearest even (finite values)
-    v4i b;
-    memcpy(&b, &v, 16);
-    b = (b + 0x7fff + ((b >> 16) & 1)) & (int32_t)0xffff0000;
-    memcpy(&v, &b, 16);
-    return v;
-}
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };

@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd.h"
+
 static inline float bits_to_float(uint32_t b) {
     float f;
     memcpy(&f, &b, sizeof f);
@@ -158,18 +160,15 @@ static inline float to_dtype(float f, int out_f32) {
 // max |v[j]| over j < d, 8 lanes at a time (a float max reduction the compiler leaves scalar
 // without -ffast-math; the maximum is exact in any order).
 static inline float abs_max(const float* v, int64_t d) {
-    typedef float v8 __attribute__((vector_size(32)));
-    typedef int32_t v8m __attribute__((vector_size(32)));
-    v8 m = {0};
+    v8f m = {0};
     int64_t j = 0;
     for (; j + 8 <= d; j += 8) {
-        v8 x;
-        memcpy(&x, v + j, 32);
-        v8m bits;
-        memcpy(&bits, &x, 32);
+        v8f x;
+        v8i bits, mb;
+        memcpy(&bits, v + j, 32);
         bits &= 0x7FFFFFFF;  // |x|
         memcpy(&x, &bits, 32);
-        v8m more = x > m, mb;
+        v8i more = x > m;
         memcpy(&mb, &m, 32);
         mb = (bits & more) | (mb & ~more);
         memcpy(&m, &mb, 32);

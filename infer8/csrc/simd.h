@@ -9,6 +9,8 @@
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
 
 // e^x for x <= 0 (a softmax's shifted scores), 8 lanes: Cephes' expf (range reduction by
 // ln 2, degree-6 polynomial), ~1 ulp; glibc's scalar expf was a tenth of the kernel's time.
@@ -75,6 +77,14 @@ static inline v8f rnd8(v8f v) {
     memcpy(&b, &v, 32);
     b = (b + 0x7fff + ((b >> 16) & 1)) & (int32_t)0xffff0000;
     memcpy(&v, &b, 32);
+    return v;
+}
+
+static inline v4f rnd4(v4f v) {  // rnd8 on 4 lanes
+    v4i b;
+    memcpy(&b, &v, 16);
+    b = (b + 0x7fff + ((b >> 16) & 1)) & (int32_t)0xffff0000;
+    memcpy(&v, &b, 16);
     return v;
 }
 

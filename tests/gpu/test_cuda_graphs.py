@@ -21,6 +21,7 @@ from infer8.attention.metadata import build_attention_metadata  # noqa: E402
 from infer8.models.loader import load_model  # noqa: E402
 from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache  # noqa: E402
 from infer8.worker.tail_seats import SinkSlots, TailRows  # noqa: E402
+from tests.utils import float_ordinals  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -92,14 +93,6 @@ def _prefill(
     return block_ids
 
 
-def _codes(t: torch.Tensor) -> torch.Tensor:
-    """Each element's bit pattern as a monotonic integer (sign-magnitude: -0 == +0), so that
-    neighbouring representable values are 1 apart."""
-    bits = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]).long()
-    magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
-    return torch.where(bits < 0, -magnitude, magnitude)
-
-
 def _cache_tensors(caches: list) -> list[torch.Tensor]:
     out = []
     for c in caches:
@@ -144,9 +137,9 @@ def test_padded_bucket_decode_equals_unpadded_and_writes_nothing_else(
         # what the eager step wrote, no more: elements it left alone are untouched, and those it
         # wrote hold its values to one rounding step (a 4-row matmul may round otherwise than
         # a 3-row one, and a residual near a rounding boundary lands on the next FP8 code)
-        written = _codes(old) != _codes(was)
-        assert torch.equal(_codes(t)[~written], _codes(old)[~written])
-        steps = (_codes(t)[written] - _codes(old)[written]).abs()
+        written = float_ordinals(old) != float_ordinals(was)
+        assert torch.equal(float_ordinals(t)[~written], float_ordinals(old)[~written])
+        steps = (float_ordinals(t)[written] - float_ordinals(old)[written]).abs()
         assert steps.numel() == 0 or int(steps.max()) <= 1
     if tail_window:  # and the step did write ring residuals
         assert any(not torch.equal(a, b) for a, b in zip(after, before))

@@ -13,6 +13,7 @@ from infer8.attention.torch_ref import TorchRefAttention
 from infer8.quant import fp8
 from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from tests.tail_schedule import run_schedule
+from tests.utils import float_ordinals
 
 
 @pytest.fixture(scope="module")
@@ -218,12 +219,7 @@ _TOL = {torch.float32: {"rtol": 2e-6, "atol": 2e-6}, torch.bfloat16: {"rtol": 8e
 
 def _bf16_steps_apart(got: torch.Tensor, want: torch.Tensor) -> int:
     """The largest distance between two bf16 tensors in representable values (-0 == +0)."""
-
-    def ordinal(x: torch.Tensor) -> torch.Tensor:  # sign-magnitude bits -> a monotonic count
-        bits = x.view(torch.int16).int()
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-    return int((ordinal(got) - ordinal(want)).abs().max())
+    return int((float_ordinals(got) - float_ordinals(want)).abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
