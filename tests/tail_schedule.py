@@ -49,12 +49,14 @@ def clone_cache(cache: LayerKVCache, tail: bool = True) -> LayerKVCache:
 
 def run_schedule(
     ref: Any, other: Any, dtype: torch.dtype, hadamard: bool, device: torch.device,
-    other_tail: bool = True,
+    other_tail: bool = True, fused: bool = False,
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, LayerKVCache, LayerKVCache]]:  # fmt: skip
     """Yield (step, other's output, ref's output, other's cache, ref's cache) per step.
 
     other_tail False: `other` attends without the tail (on a throwaway copy of its cache),
     which a test uses to show that the tail changes the outputs by far more than its tolerance.
+    fused: `other` gets the step through write_and_attend, q / k / v as views of one fused
+    projection's rows, as a model layer passes them.
     """
     rng = random.Random(0)
     spec = KVCacheSpec(1, KVH, HEAD_DIM, BLOCK_SIZE, torch.float8_e4m3fn, WINDOW, SINKS, hadamard)
@@ -92,6 +94,12 @@ def run_schedule(
         q = torch.randn(len(k), KVH * GROUP, HEAD_DIM, dtype=dtype, device=device)
         outs = []
         for backend, cache in ((ref, ref_cache), (other, other_cache)):
+            if fused and backend is other:
+                qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+                qv, kv_, vv = qkv.split([KVH * GROUP * HEAD_DIM, KVH * HEAD_DIM, KVH * HEAD_DIM], 1)
+                views = [x.view(len(k), -1, HEAD_DIM) for x in (qv, kv_, vv)]
+                outs.append(other.write_and_attend(*views, cache, meta, HEAD_DIM**-0.5))
+                continue
             backend.write_kv(cache, k, v, meta.slot_mapping)
             outs.append(backend.forward(q, cache, meta, HEAD_DIM**-0.5, k_new=k, v_new=v))
         if not other_tail:

@@ -32,3 +32,16 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """Attend; k_new / v_new (this step's K/V) are passed when the cache has an exact tail."""
         ...
+
+    def write_and_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """One layer: write_kv of k / v's real tokens, then forward (this step's K/V passed
+        where the cache has an exact tail). A backend may fuse the two (a model calls this)."""
+        ...

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from infer8.attention.exact_tail import TailMetadata
     from infer8.worker.kv_cache import LayerKVCache
 
 from infer8.quant import fp8
@@ -105,6 +106,10 @@ class NativeFP8Gather:
         self._decode = bind("infer8_decode_attention", p, p, p, p, p, i32, p, i64, p, i64, i64,
                             i64, i64, i64, i64, f32, i32, p, p, p, p, p, i64, i64, p, p, i64,
                             p)  # fmt: skip
+        self._decode_layer = bind("infer8_decode_layer", p, i64, p, p, i64, p, p, p, p, p, i32,
+                                  p, i64, p, i64, i64, i64, i64, i64, i64, f32, i32, i32, i32,
+                                  f32, p, p, p, i64, i64, p, p, i64, f32, p, p, i64, p, p, i64,
+                                  p)  # fmt: skip
         self._hadamard = bind("infer8_hadamard_rows", p, i64, i64, i64, i64, i64, i32, p)
         self._rms_norm = bind("infer8_rms_norm", p, i64, p, p, i64, i64, f32, i32, p)
         self._silu_and_mul = bind("infer8_silu_and_mul", p, i64, i64, i32, p)
@@ -334,6 +339,78 @@ class NativeFP8Gather:
             num_kv_heads, num_heads // num_kv_heads, num_blocks, block_size, head_dim, scale,
             int(q.dtype == torch.float32), new_k, new_v, store, store_scale, read_rows, seats,
             stride, pos, valid, width, out.data_ptr(),
+        )  # fmt: skip
+        return out
+
+    @staticmethod
+    def decode_layer_supported(cache: LayerKVCache, q: torch.Tensor) -> bool:
+        """Return whether decode_layer runs this cache and these queries: the decode kernel's
+        conditions, dynamic scales (no calibration), head_dim <= 512."""
+        d = cache.k.shape[-1]
+        return (
+            NativeFP8Gather.decode_supported(cache, q.dtype)
+            and cache.k_amax is None
+            and d <= 512
+            and (cache.k_rotation is None or d & (d - 1) == 0)
+        )
+
+    def decode_layer(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        tail: TailMetadata | None,
+    ) -> torch.Tensor:
+        """TorchRefAttention's write_kv then forward for an all-decode batch (token b is
+        sequence b), in one native call (csrc/decode_attention.c: infer8_decode_layer).
+
+        q [B, H, d], k / v [B, kvh, d]: rows of d (views of the fused projection's output
+        welcome); the cache's rotation, FP8 write and exact tail (`tail`: this step's, with the
+        cache's store) as the torch reference applies them. Returns [B, H, d].
+        """
+        assert self.decode_layer_supported(cache, q) and cache.k.is_contiguous()
+        b, num_heads, d = q.shape
+        num_kv_heads, num_blocks, block_size, _ = cache.k.shape
+        assert k.shape == v.shape == (b, num_kv_heads, d) and q.dtype == k.dtype == v.dtype
+        assert q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == d
+        assert v.stride() == k.stride()
+        table, lens = block_table.contiguous(), seq_lens.contiguous()
+        slots = slot_mapping.contiguous()
+        assert table.dtype == lens.dtype == slots.dtype == torch.int64
+        out = torch.empty((b, num_heads, d), dtype=q.dtype)
+        fp8_cache = cache.k_scale is not None
+        per_amax = fp8.SCALE_ROUND_UP / fp8.fp8_max(cache.k.dtype) if fp8_cache else 0.0
+        e4m3_per_amax = fp8.SCALE_ROUND_UP / fp8.fp8_max(torch.float8_e4m3fn)
+        store = store_scale = read_rows = pos = valid = None
+        sinks = sink_slots = rings = ring_slots = None
+        seats = stride = width = num_sinks = num_rings = 0
+        if tail is not None:
+            assert cache.kv_tail is not None and cache.kv_tail[0].is_contiguous()
+            store, store_scale = cache.kv_tail
+            seats, stride, width = store.shape[1], store.shape[2], tail.decode_pos.shape[1]
+            parts = [t.contiguous() for t in (tail.read_rows, tail.decode_pos, tail.decode_valid,
+                     tail.sink_write_token_ids, tail.sink_write_slots, tail.write_token_ids,
+                     tail.write_slots)]  # fmt: skip
+            read_rows, pos, valid, sinks, sink_slots, rings, ring_slots = parts
+            num_sinks, num_rings = sinks.numel(), rings.numel()
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        self._decode_layer(
+            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(),
+            cache.k.data_ptr(), cache.v.data_ptr(), ptr(cache.k_scale), ptr(cache.v_scale),
+            _KINDS[cache.k.dtype], table.data_ptr(), table.shape[1], lens.data_ptr(), b,
+            num_kv_heads, num_heads // num_kv_heads, num_blocks, block_size, d, scale,
+            int(q.dtype == torch.float32), int(cache.k_rotation is not None),
+            int(cache.rotate_values), per_amax, ptr(store), ptr(store_scale), ptr(read_rows),
+            seats, stride, ptr(pos), ptr(valid), width, e4m3_per_amax, ptr(sinks),
+            ptr(sink_slots), num_sinks, ptr(rings), ptr(ring_slots), num_rings, out.data_ptr(),
         )  # fmt: skip
         return out
 

@@ -148,6 +148,42 @@ class TorchRefAttention:
                 cache.num_saturated += num_saturated
             flat[:, slot_mapping] = q.transpose(0, 1)
 
+    def write_and_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """write_kv, then forward (with k / v as this step's K/V where the cache has a tail).
+
+        An all-decode batch on the CPU runs as one native call per layer
+        (NativeFP8Gather.decode_layer: the same values, a dozen calls fewer).
+        """
+        n = meta.num_real_tokens
+        tail = meta.tail if cache.kv_tail is not None else None
+        native = self._native
+        if (
+            native is not None
+            and not meta.prefill_seq_ids
+            and len(meta.decode_seq_ids) == n == q.shape[0]
+            and native.decode_layer_supported(cache, q)
+            and q.stride(1) == k.stride(1) == q.shape[-1]
+            and q.stride(-1) == k.stride(-1) == 1
+            and k.stride() == v.stride()
+        ):
+            return native.decode_layer(
+                q, k, v, cache, meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_seq_lens, scale, tail,
+            )  # fmt: skip
+        k_new, v_new = k[:n], v[:n]
+        self.write_kv(cache, k_new, v_new, meta.slot_mapping)
+        if cache.kv_tail is None:
+            return self.forward(q, cache, meta, scale)
+        return self.forward(q, cache, meta, scale, k_new=k_new, v_new=v_new)
+
     def _buffer(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:

@@ -418,6 +418,23 @@ class TritonAttention:
         """Store each new token's K/V in its slot, quantizing when the cache is FP8."""
         write_kv(cache, k, v, slot_mapping)
 
+    def write_and_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """write_kv of the real tokens, then forward (this step's K/V where there is a tail)."""
+        n = meta.num_real_tokens
+        k_new, v_new = k[:n], v[:n]
+        write_kv(cache, k_new, v_new, meta.slot_mapping)
+        if cache.kv_tail is None:
+            return self.forward(q, cache, meta, scale)
+        return self.forward(q, cache, meta, scale, k_new=k_new, v_new=v_new)
+
     def forward(
         self,
         q: torch.Tensor,

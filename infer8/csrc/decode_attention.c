@@ -164,13 +164,15 @@ static inline __attribute__((always_inline)) void value_tile(
 // The scores of n cached keys (no tail value) for NH heads, in tiles of MAX_KEYS keys.
 static inline __attribute__((always_inline)) void score_keys(
     const float* qf, int64_t d, const char* const* rows, const float* kscale, int64_t n,
-    int kind, int nh, int x_f32, float sm_scale, float* scores, int64_t len) {
+    int kind, int nh, int x_f32, float sm_scale, float* scores, int64_t len,
+    const char* const* also) {
     float dots[MAX_HEADS][MAX_KEYS];
     const int64_t row_bytes = d * (kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1);
     int64_t j = 0;
     for (; j + MAX_KEYS <= n; j += MAX_KEYS) {
         for (int64_t k = j + AHEAD; k < j + AHEAD + MAX_KEYS && k < n; k++) {
             prefetch_row(rows[k], row_bytes);
+            if (also != NULL) prefetch_row(also[k], row_bytes);
         }
         dot_tile(qf, d, rows + j, kind, nh, MAX_KEYS, dots);
         v4f ks;
@@ -224,11 +226,13 @@ static inline __attribute__((always_inline)) void sum_values(
 
 static inline __attribute__((always_inline)) void score_all(
     const float* qf, int64_t d, const char* const* rows, const float* kscale, int64_t n,
-    int kind, int64_t group, int x_f32, float sm_scale, float* scores, int64_t len) {
+    int kind, int64_t group, int x_f32, float sm_scale, float* scores, int64_t len,
+    const char* const* also) {
     for (int64_t g0 = 0; g0 < group; g0 += MAX_HEADS) {
         const int64_t nh = group - g0 < MAX_HEADS ? group - g0 : MAX_HEADS;
 #define SCORE(NH) \
-    score_keys(qf + g0 * d, d, rows, kscale, n, kind, NH, x_f32, sm_scale, scores + g0 * len, len)
+    score_keys(qf + g0 * d, d, rows, kscale, n, kind, NH, x_f32, sm_scale, scores + g0 * len, len, \
+               g0 == 0 ? also : NULL)
         HEADS_SWITCH(nh, SCORE)
 #undef SCORE
     }
@@ -247,12 +251,12 @@ static inline __attribute__((always_inline)) void values_all(
 
 static void score_cached(const float* qf, int64_t d, const char* const* rows,
                          const float* kscale, int64_t n, int kind, int64_t group, int x_f32,
-                         float sm_scale, float* scores, int64_t len) {
+                         float sm_scale, float* scores, int64_t len, const char* const* also) {
     switch (kind) {  // one copy of the loops per cache dtype: load8's branch folds away
-        case KV_F32: score_all(qf, d, rows, kscale, n, KV_F32, group, x_f32, sm_scale, scores, len); break;
-        case KV_BF16: score_all(qf, d, rows, kscale, n, KV_BF16, group, x_f32, sm_scale, scores, len); break;
-        case KV_E4M3: score_all(qf, d, rows, kscale, n, KV_E4M3, group, x_f32, sm_scale, scores, len); break;
-        default: score_all(qf, d, rows, kscale, n, KV_E5M2, group, x_f32, sm_scale, scores, len); break;
+        case KV_F32: score_all(qf, d, rows, kscale, n, KV_F32, group, x_f32, sm_scale, scores, len, also); break;
+        case KV_BF16: score_all(qf, d, rows, kscale, n, KV_BF16, group, x_f32, sm_scale, scores, len, also); break;
+        case KV_E4M3: score_all(qf, d, rows, kscale, n, KV_E4M3, group, x_f32, sm_scale, scores, len, also); break;
+        default: score_all(qf, d, rows, kscale, n, KV_E5M2, group, x_f32, sm_scale, scores, len, also); break;
     }
 }
 
@@ -263,6 +267,178 @@ static void sum_cached(const float* w, int64_t stride, const char* const* rows, 
         case KV_BF16: values_all(w, stride, rows, n, KV_BF16, group, acc, d); break;
         case KV_E4M3: values_all(w, stride, rows, n, KV_E4M3, group, acc, d); break;
         default: values_all(w, stride, rows, n, KV_E5M2, group, acc, d); break;
+    }
+}
+
+// The cache, the table and the tail store of one call (see infer8_decode_attention).
+typedef struct {
+    const void *k_cache, *v_cache;
+    const uint16_t *k_scale, *v_scale;
+    int kind, x_f32;
+    const int64_t *table, *seq_lens;
+    int64_t table_stride, num_kv_heads, group, num_blocks, block_size, d;
+    float sm_scale;
+    const uint8_t* store;  // NULL: no exact tail
+    const uint16_t* store_scale;
+    const int64_t *read_rows, *pos;
+    const float* valid;
+    int64_t seats, stride, width;
+} decode_params;
+
+// Sequence b's attention for KV head h: qf [group, d] its query heads (floats), newk / newv
+// [d] the newest token's tail values (NULL without a tail: the newest row is read from the
+// cache); acc [group, d] the output, unrounded.
+static void attend_task(const decode_params* p, int64_t b, int64_t h, const float* qf,
+                        const float* newk, const float* newv, float* acc) {
+    const int64_t len = p->seq_lens[b], d = p->d, group = p->group, width = p->width;
+    const int kind = p->kind, x_f32 = p->x_f32;
+    const int64_t elem = kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1;
+    const int is_fp8 = kind >= KV_E4M3;
+    // the newest token's tail value replaces its block value: n cached rows are read
+    const int64_t n = newk != NULL ? len - 1 : len;
+    float* scores = malloc(sizeof(float) * (2 * group * len + 2 * len + 2 * width +
+                                            2 * group * width) +
+                           sizeof(int64_t) * width + 2 * sizeof(const char*) * (len + width));
+    float* w = scores + group * len;  // probabilities times each value row's scale
+    float* ks = w + group * len;      // per-row scales (1 unless FP8)
+    float* vs = ks + len;
+    // the valid tail positions' residual rows (E4M3, read in place) and their scales
+    float* tks = vs + len;
+    float* tvs = tks + width;
+    float* tscores = tvs + width;         // [group, width]: q.r of each
+    float* tw = tscores + group * width;  // [group, width]: p times its scale
+    const char** krows = (const char**)(tw + group * width);
+    const char** vrows = krows + len;
+    const char** tkrows = vrows + len;
+    const char** tvrows = tkrows + width;
+    int64_t* tpos = (int64_t*)(tvrows + width);
+    int64_t nt = 0;  // valid tail positions
+    for (int64_t t = 0; t < width; t++) {
+        if (p->valid[b * width + t] == 0.0f) continue;
+        const int64_t seat = p->read_rows[(b * width + t) / p->stride];
+        const int64_t kat = (h * p->seats + seat) * p->stride + t % p->stride;
+        const int64_t vat = ((p->num_kv_heads + h) * p->seats + seat) * p->stride + t % p->stride;
+        tkrows[nt] = (const char*)(p->store + kat * d);
+        tvrows[nt] = (const char*)(p->store + vat * d);
+        // widened as value / 256 (load8_as): the exact 256 goes into the scale
+        tks[nt] = bf16_to_f32(p->store_scale[kat]) * 256.0f;
+        tvs[nt] = bf16_to_f32(p->store_scale[vat]) * 256.0f;
+        tpos[nt++] = p->pos[b * width + t];
+    }
+    const int64_t* trow = p->table + b * p->table_stride;
+    // E4M3 rows are widened as value / 256 (load8_as): the exact 256 goes into the scale
+    const float unit = kind == KV_E4M3 ? 256.0f : 1.0f;
+    for (int64_t j0 = 0; j0 < n; j0 += p->block_size) {
+        const int64_t first = (h * p->num_blocks + trow[j0 / p->block_size]) * p->block_size;
+        const int64_t stop = n - j0 < p->block_size ? n - j0 : p->block_size;
+        for (int64_t off = 0; off < stop; off++) {
+            const int64_t j = j0 + off, slot = first + off;
+            krows[j] = (const char*)p->k_cache + slot * d * elem;
+            vrows[j] = (const char*)p->v_cache + slot * d * elem;
+            ks[j] = is_fp8 ? bf16_to_f32(p->k_scale[slot]) * unit : 1.0f;
+            vs[j] = is_fp8 ? bf16_to_f32(p->v_scale[slot]) * unit : 1.0f;
+        }
+    }
+    for (int64_t j = n; j < len; j++) vs[j] = 1.0f;  // the newest token's tail value
+    const float sm_scale = p->sm_scale;
+    // scores (the value rows are requested while the keys are scored)
+    score_cached(qf, d, krows, ks, n, kind, group, x_f32, sm_scale, scores, len, vrows);
+    if (n < len) {  // the newest token's tail key, as written by the model
+        const char* fresh = (const char*)newk;
+        float one = 1.0f;
+        score_cached(qf, d, &fresh, &one, 1, KV_F32, group, x_f32, sm_scale, scores + n, len,
+                     NULL);
+    }
+    // tail corrections: q.r at each valid tail position, in the cached keys' tiles
+    if (nt > 0) {
+        score_cached(qf, d, tkrows, tks, nt, KV_E4M3, group, x_f32, sm_scale, tscores, width,
+                     tvrows);
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < nt; i++) scores[g * len + tpos[i]] += tscores[g * width + i];
+    }
+    // softmax per query head (probabilities in the model dtype, as the reference casts)
+    for (int64_t g = 0; g < group; g++) {
+        float* sg = scores + g * len;
+        float m = -INFINITY, sum = 0.0f;
+        int64_t j = 0;
+        v8f vm = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                  -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        for (; j + 8 <= len; j += 8) {  // lane maxima: no serial compare chain
+            v8f x;
+            memcpy(&x, sg + j, 32);
+            v8i more = x > vm, xb, mb;
+            memcpy(&xb, &x, 32);
+            memcpy(&mb, &vm, 32);
+            mb = (xb & more) | (mb & ~more);
+            memcpy(&vm, &mb, 32);
+        }
+        for (int l = 0; l < 8; l++) m = vm[l] > m ? vm[l] : m;
+        for (; j < len; j++) m = sg[j] > m ? sg[j] : m;
+        j = 0;
+        v8f vsum = {0};
+        for (; j + 8 <= len; j += 8) {
+            v8f x;
+            memcpy(&x, sg + j, 32);
+            x = exp8(x - m);
+            memcpy(sg + j, &x, 32);
+            vsum += x;
+        }
+        for (; j < len; j++) {
+            v8f x = {sg[j] - m};
+            sg[j] = exp8(x)[0];
+            sum += sg[j];
+        }
+        sum += hsum(vsum);
+        const float inv = 1.0f / sum;
+        j = 0;
+        for (; j + 8 <= len; j += 8) {  // vs is 1 past n (the newest token's tail value)
+            v8f pr, sv;
+            memcpy(&pr, sg + j, 32);
+            memcpy(&sv, vs + j, 32);
+            pr *= inv;
+            if (!x_f32) pr = rnd8(pr);
+            memcpy(sg + j, &pr, 32);
+            pr *= sv;
+            memcpy(w + g * len + j, &pr, 32);
+        }
+        for (; j < len; j++) {
+            sg[j] *= inv;
+            if (!x_f32) sg[j] = round_bf16(sg[j]);
+            w[g * len + j] = sg[j] * vs[j];
+        }
+    }
+    // values
+    memset(acc, 0, sizeof(float) * group * d);
+    sum_cached(w, len, vrows, n, kind, group, acc, d);
+    if (n < len) {  // the newest token's tail value
+        const char* fresh = (const char*)newv;
+        sum_cached(w + n, len, &fresh, 1, KV_F32, group, acc, d);
+    }
+    if (nt > 0) {  // p.r at each valid tail position, in the cached values' tiles
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < nt; i++)
+                tw[g * width + i] = scores[g * len + tpos[i]] * tvs[i];
+        sum_cached(tw, width, tvrows, nt, KV_E4M3, group, acc, d);
+    }
+    free(scores);
+}
+
+// A row of float32 (x_f32) or bf16 bits as floats, and back (rounded to nearest even).
+static inline void load_row(const void* x, int64_t at, int64_t d, int x_f32, float* out) {
+    for (int64_t i = 0; i < d; i++)
+        out[i] = x_f32 ? ((const float*)x)[at + i] : bf16_to_f32(((const uint16_t*)x)[at + i]);
+}
+
+static inline void store_row(void* x, int64_t at, int64_t d, int x_f32, const float* v) {
+    for (int64_t i = 0; i < d; i++) {
+        if (x_f32) {
+            ((float*)x)[at + i] = v[i];
+        } else {
+            float f = round_bf16(v[i]);
+            uint32_t bits;
+            memcpy(&bits, &f, 4);
+            ((uint16_t*)x)[at + i] = (uint16_t)(bits >> 16);
+        }
     }
 }
 
@@ -282,165 +458,148 @@ void infer8_decode_attention(
     const void* new_k, const void* new_v, const uint8_t* store, const uint16_t* store_scale,
     const int64_t* read_rows, int64_t seats, int64_t stride, const int64_t* pos,
     const float* valid, int64_t width, void* out) {
-    const int64_t elem = kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1;
-    const int is_fp8 = kind >= KV_E4M3;
+    const decode_params p = {k_cache, v_cache, k_scale, v_scale, kind, x_f32, table, seq_lens,
+                             table_stride, num_kv_heads, group, num_blocks, block_size, d,
+                             sm_scale, new_k != NULL ? store : NULL, store_scale, read_rows,
+                             pos, valid, seats, stride, new_k != NULL ? width : 0};
     const int64_t num_heads = num_kv_heads * group;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * num_kv_heads; task++) {
         const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-        const int64_t len = seq_lens[b];
-        if (len <= 0) continue;  // callers pass real sequences only
-        // the newest token's tail value replaces its block value: n cached rows are read
-        const int64_t n = new_k != NULL ? len - 1 : len;
-        float* qf = malloc(sizeof(float) * (group * d + 2 * group * len + group * d + d + 2 * len +
-                                            2 * width + 2 * group * width) +
-                           sizeof(int64_t) * width + 2 * sizeof(const char*) * (len + width));
-        float* scores = qf + group * d;
-        float* w = scores + group * len;  // probabilities times each value row's scale
-        float* acc = w + group * len;
-        float* row = acc + group * d;  // one converted row (the newest token's tail values)
-        float* ks = row + d;           // per-row scales (1 unless FP8)
-        float* vs = ks + len;
-        // the valid tail positions' residual rows (E4M3, read in place) and their scales
-        float* tks = vs + len;
-        float* tvs = tks + width;
-        float* tscores = tvs + width;         // [group, width]: q.r of each
-        float* tw = tscores + group * width;  // [group, width]: p times its scale
-        const char** krows = (const char**)(tw + group * width);
-        const char** vrows = krows + len;
-        const char** tkrows = vrows + len;
-        const char** tvrows = tkrows + width;
-        int64_t* tpos = (int64_t*)(tvrows + width);
-        int64_t nt = 0;  // valid tail positions
-        for (int64_t t = 0; t < width; t++) {
-            if (valid[b * width + t] == 0.0f) continue;
-            const int64_t seat = read_rows[(b * width + t) / stride];
-            const int64_t kat = (h * seats + seat) * stride + t % stride;
-            const int64_t vat = ((num_kv_heads + h) * seats + seat) * stride + t % stride;
-            tkrows[nt] = (const char*)(store + kat * d);
-            tvrows[nt] = (const char*)(store + vat * d);
-            // widened as value / 256 (load8_as): the exact 256 goes into the scale
-            tks[nt] = bf16_to_f32(store_scale[kat]) * 256.0f;
-            tvs[nt] = bf16_to_f32(store_scale[vat]) * 256.0f;
-            tpos[nt++] = pos[b * width + t];
+        if (seq_lens[b] <= 0) continue;  // callers pass real sequences only
+        float* qf = malloc(sizeof(float) * 4 * group * d);
+        float *acc = qf + group * d, *nk = acc + group * d, *nv = nk + d;
+        load_row(q, (b * num_heads + h * group) * d, group * d, x_f32, qf);
+        if (new_k != NULL) {
+            load_row(new_k, (b * num_kv_heads + h) * d, d, x_f32, nk);
+            load_row(new_v, (b * num_kv_heads + h) * d, d, x_f32, nv);
         }
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t i = 0; i < d; i++) {
-                int64_t at = (b * num_heads + h * group + g) * d + i;
-                qf[g * d + i] = x_f32 ? ((const float*)q)[at] : bf16_to_f32(((const uint16_t*)q)[at]);
-            }
-        const int64_t* trow = table + b * table_stride;
-        // E4M3 rows are widened as value / 256 (load8_as): the exact 256 goes into the scale
-        const float unit = kind == KV_E4M3 ? 256.0f : 1.0f;
-        for (int64_t j0 = 0; j0 < n; j0 += block_size) {
-            const int64_t first = (h * num_blocks + trow[j0 / block_size]) * block_size;
-            const int64_t stop = n - j0 < block_size ? n - j0 : block_size;
-            for (int64_t off = 0; off < stop; off++) {
-                const int64_t j = j0 + off, slot = first + off;
-                krows[j] = (const char*)k_cache + slot * d * elem;
-                vrows[j] = (const char*)v_cache + slot * d * elem;
-                ks[j] = is_fp8 ? bf16_to_f32(k_scale[slot]) * unit : 1.0f;
-                vs[j] = is_fp8 ? bf16_to_f32(v_scale[slot]) * unit : 1.0f;
-            }
-        }
-        for (int64_t j = n; j < len; j++) vs[j] = 1.0f;  // the newest token's tail value
-        // scores
-        score_cached(qf, d, krows, ks, n, kind, group, x_f32, sm_scale, scores, len);
-        if (n < len) {  // the newest token's tail key, as written by the model
-            for (int64_t i = 0; i < d; i++) {
-                int64_t at = (b * num_kv_heads + h) * d + i;
-                row[i] = x_f32 ? ((const float*)new_k)[at] : bf16_to_f32(((const uint16_t*)new_k)[at]);
-            }
-            const char* fresh = (const char*)row;
-            float one = 1.0f;
-            score_cached(qf, d, &fresh, &one, 1, KV_F32, group, x_f32, sm_scale, scores + n, len);
-        }
-        // tail corrections: q.r at each valid tail position, in the cached keys' tiles
-        if (nt > 0) {
-            score_cached(qf, d, tkrows, tks, nt, KV_E4M3, group, x_f32, sm_scale, tscores, width);
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t i = 0; i < nt; i++) scores[g * len + tpos[i]] += tscores[g * width + i];
-        }
-        // softmax per query head (probabilities in the model dtype, as the reference casts)
-        for (int64_t g = 0; g < group; g++) {
-            float* sg = scores + g * len;
-            float m = -INFINITY, sum = 0.0f;
-            int64_t j = 0;
-            v8f vm = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
-                      -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-            for (; j + 8 <= len; j += 8) {  // lane maxima: no serial compare chain
-                v8f x;
-                memcpy(&x, sg + j, 32);
-                v8i more = x > vm, xb, mb;
-                memcpy(&xb, &x, 32);
-                memcpy(&mb, &vm, 32);
-                mb = (xb & more) | (mb & ~more);
-                memcpy(&vm, &mb, 32);
-            }
-            for (int l = 0; l < 8; l++) m = vm[l] > m ? vm[l] : m;
-            for (; j < len; j++) m = sg[j] > m ? sg[j] : m;
-            j = 0;
-            v8f vsum = {0};
-            for (; j + 8 <= len; j += 8) {
-                v8f x;
-                memcpy(&x, sg + j, 32);
-                x = exp8(x - m);
-                memcpy(sg + j, &x, 32);
-                vsum += x;
-            }
-            for (; j < len; j++) {
-                v8f x = {sg[j] - m};
-                sg[j] = exp8(x)[0];
-                sum += sg[j];
-            }
-            sum += hsum(vsum);
-            const float inv = 1.0f / sum;
-            j = 0;
-            for (; j + 8 <= len; j += 8) {  // vs is 1 past n (the newest token's tail value)
-                v8f p, sv;
-                memcpy(&p, sg + j, 32);
-                memcpy(&sv, vs + j, 32);
-                p *= inv;
-                if (!x_f32) p = rnd8(p);
-                memcpy(sg + j, &p, 32);
-                p *= sv;
-                memcpy(w + g * len + j, &p, 32);
-            }
-            for (; j < len; j++) {
-                sg[j] *= inv;
-                if (!x_f32) sg[j] = round_bf16(sg[j]);
-                w[g * len + j] = sg[j] * vs[j];
-            }
-        }
-        // values
-        memset(acc, 0, sizeof(float) * group * d);
-        sum_cached(w, len, vrows, n, kind, group, acc, d);
-        if (n < len) {  // the newest token's tail value
-            for (int64_t i = 0; i < d; i++) {
-                int64_t at = (b * num_kv_heads + h) * d + i;
-                row[i] = x_f32 ? ((const float*)new_v)[at] : bf16_to_f32(((const uint16_t*)new_v)[at]);
-            }
-            const char* fresh = (const char*)row;
-            sum_cached(w + n, len, &fresh, 1, KV_F32, group, acc, d);
-        }
-        if (nt > 0) {  // p.r at each valid tail position, in the cached values' tiles
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t i = 0; i < nt; i++)
-                    tw[g * width + i] = scores[g * len + tpos[i]] * tvs[i];
-            sum_cached(tw, width, tvrows, nt, KV_E4M3, group, acc, d);
-        }
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t i = 0; i < d; i++) {
-                int64_t at = (b * num_heads + h * group + g) * d + i;
-                if (x_f32)
-                    ((float*)out)[at] = acc[g * d + i];
-                else {
-                    float f = round_bf16(acc[g * d + i]);
-                    uint32_t bits;
-                    memcpy(&bits, &f, 4);
-                    ((uint16_t*)out)[at] = (uint16_t)(bits >> 16);
-                }
-            }
+        attend_task(&p, b, h, qf, new_k != NULL ? nk : NULL, new_k != NULL ? nv : NULL, acc);
+        store_row(out, (b * num_heads + h * group) * d, group * d, x_f32, acc);
         free(qf);
     }
+}
+
+// Defined beside the batched passes they serve one row of (fp8_gather.c, hadamard.c).
+void infer8_quantize_row(const float* v, int64_t d, int is_e5m2, float per_amax, uint8_t* out,
+                         uint16_t* scale);
+void infer8_residual_row(const float* v, int64_t d, int x_f32, int block_is_e5m2,
+                         float block_per_amax, float e4m3_per_amax, uint8_t* res_q,
+                         uint16_t* res_scale, float* tail);
+void infer8_hadamard_row(float* v, int64_t d, int x_f32);
+
+// Residual rows of sequence b (K's head h, V's head kvh + h) into the store's slots where
+// ids[i] == b: exact_tail.write_store for one (sequence, KV head).
+static void store_residuals(uint8_t* store, uint16_t* store_scale, int64_t store_slots,
+                            int64_t num_kv_heads, int64_t h, int64_t d, const int64_t* ids,
+                            const int64_t* slots, int64_t n, int64_t b, const uint8_t* rk,
+                            uint16_t sk, const uint8_t* rv, uint16_t sv) {
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] != b) continue;
+        const int64_t kat = h * store_slots + slots[i];
+        const int64_t vat = (num_kv_heads + h) * store_slots + slots[i];
+        memcpy(store + kat * d, rk, (size_t)d);
+        memcpy(store + vat * d, rv, (size_t)d);
+        store_scale[kat] = sk;
+        store_scale[vat] = sv;
+    }
+}
+
+// A whole decode layer's attention for an all-decode batch (token b is sequence b) in one call
+// instead of a dozen: what TorchRefAttention's write_kv then forward do, in their order and
+// with their roundings, in three passes over (sequence, KV head) tasks: (1) the new K/V rows
+// (x [B, KVH, D] at row stride kv_stride, head stride d) rotated by the Hadamard matrix
+// (rotate_keys; V too with rotate_values), written to the cache at slot_mapping[b] (copied, or
+// quantized with a dynamic scale: cache_per_amax) and, with a tail store (store not NULL),
+// their residuals and tail values (exact_tail.tail_values) and the sink rows stored
+// (sink_ids/slots); (2) the attention of q [B, H, D] (row stride q_stride; rotated with the
+// keys), the output [B, H, D] rotated back with the values; (3) the ring rows stored
+// (ring_ids/slots). Every write lands before any read, as AttentionMetadata requires.
+void infer8_decode_layer(
+    const void* q, int64_t q_stride, const void* k, const void* v, int64_t kv_stride,
+    const int64_t* slot_mapping, void* k_cache, void* v_cache, uint16_t* k_scale,
+    uint16_t* v_scale, int kind, const int64_t* table, int64_t table_stride,
+    const int64_t* seq_lens, int64_t batch, int64_t num_kv_heads, int64_t group,
+    int64_t num_blocks, int64_t block_size, int64_t d, float sm_scale, int x_f32,
+    int rotate_keys, int rotate_values, float cache_per_amax, uint8_t* store,
+    uint16_t* store_scale, const int64_t* read_rows, int64_t seats, int64_t stride,
+    const int64_t* pos, const float* valid, int64_t width, float e4m3_per_amax,
+    const int64_t* sink_ids, const int64_t* sink_slots, int64_t num_sinks,
+    const int64_t* ring_ids, const int64_t* ring_slots, int64_t num_rings, void* out) {
+    const decode_params p = {k_cache, v_cache, k_scale, v_scale, kind, x_f32, table, seq_lens,
+                             table_stride, num_kv_heads, group, num_blocks, block_size, d,
+                             sm_scale, store, store_scale, read_rows, pos, valid, seats, stride,
+                             store != NULL ? width : 0};
+    const int64_t tasks = batch * num_kv_heads, num_heads = num_kv_heads * group;
+    const int64_t store_slots = seats * stride;
+    const int64_t elem = kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1;
+    // per task: the tail values of K and V (floats), their residuals (E4M3) and scales
+    float* tails = malloc(sizeof(float) * 2 * d * tasks + (2 * d + 4) * tasks);
+    uint8_t* residuals = (uint8_t*)(tails + 2 * d * tasks);
+    uint16_t* scales = (uint16_t*)(residuals + 2 * d * tasks);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+            float nk[512], nv[512];
+            if (d > 512 || seq_lens[b] <= 0) continue;  // the caller checks both
+            load_row(k, b * kv_stride + h * d, d, x_f32, nk);
+            load_row(v, b * kv_stride + h * d, d, x_f32, nv);
+            if (rotate_keys) infer8_hadamard_row(nk, d, x_f32);
+            if (rotate_keys && rotate_values) infer8_hadamard_row(nv, d, x_f32);
+            const int64_t slot = h * num_blocks * block_size + slot_mapping[b];
+            if (kind >= KV_E4M3) {  // torch_ref.write_kv's dynamic FP8 write
+                const int e5m2 = kind == KV_E5M2;
+                infer8_quantize_row(nk, d, e5m2, cache_per_amax, (uint8_t*)k_cache + slot * d,
+                                    k_scale + slot);
+                infer8_quantize_row(nv, d, e5m2, cache_per_amax, (uint8_t*)v_cache + slot * d,
+                                    v_scale + slot);
+            } else {  // a copy (rounded to nearest even into a bf16 cache)
+                store_row((char*)k_cache + slot * d * elem, 0, d, kind == KV_F32, nk);
+                store_row((char*)v_cache + slot * d * elem, 0, d, kind == KV_F32, nv);
+            }
+            if (store == NULL) continue;
+            float* tk = tails + 2 * d * task;
+            uint8_t* rk = residuals + 2 * d * task;
+            uint16_t* sk = scales + 2 * task;
+            const int e5m2 = kind == KV_E5M2;
+            infer8_residual_row(nk, d, x_f32, e5m2, cache_per_amax, e4m3_per_amax, rk, sk, tk);
+            infer8_residual_row(nv, d, x_f32, e5m2, cache_per_amax, e4m3_per_amax, rk + d,
+                                sk + 1, tk + d);
+            store_residuals(store, store_scale, store_slots, num_kv_heads, h, d, sink_ids,
+                            sink_slots, num_sinks, b, rk, sk[0], rk + d, sk[1]);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+            if (d > 512 || seq_lens[b] <= 0) continue;
+            float* qf = malloc(sizeof(float) * 2 * group * d);
+            float* acc = qf + group * d;
+            load_row(q, b * q_stride + h * group * d, group * d, x_f32, qf);
+            if (rotate_keys)
+                for (int64_t g = 0; g < group; g++) infer8_hadamard_row(qf + g * d, d, x_f32);
+            const float* tk = store != NULL ? tails + 2 * d * task : NULL;
+            attend_task(&p, b, h, qf, tk, tk != NULL ? tk + d : NULL, acc);
+            if (rotate_keys && rotate_values) {  // the output rounded, then rotated back
+                if (!x_f32)
+                    for (int64_t i = 0; i < group * d; i++) acc[i] = round_bf16(acc[i]);
+                for (int64_t g = 0; g < group; g++) infer8_hadamard_row(acc + g * d, d, x_f32);
+            }
+            store_row(out, (b * num_heads + h * group) * d, group * d, x_f32, acc);
+            free(qf);
+        }
+        if (store != NULL) {
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < tasks; task++) {
+                const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+                if (d > 512 || seq_lens[b] <= 0) continue;
+                const uint8_t* rk = residuals + 2 * d * task;
+                const uint16_t* sk = scales + 2 * task;
+                store_residuals(store, store_scale, store_slots, num_kv_heads, h, d, ring_ids,
+                                ring_slots, num_rings, b, rk, sk[0], rk + d, sk[1]);
+            }
+        }
+    }
+    free(tails);
 }

@@ -179,37 +179,55 @@ static inline float abs_max(const float* v, int64_t d) {
     return out;
 }
 
+// One row of infer8_tail_residual: v [d] (the compute dtype's values as floats) -> res_q [d],
+// *res_scale, tail [d] (floats holding values of the compute dtype).
+static inline void residual_row(const float* v, int64_t d, int x_f32, int block_is_e5m2,
+                                float block_per_amax, float e4m3_per_amax, uint8_t* res_q,
+                                uint16_t* res_scale, float* tail) {
+    const float block_max = block_is_e5m2 ? 57344.0f : 448.0f;
+    float xb[512], res[512];
+    const float s1 = bf16_value(dynamic_scale(abs_max(v, d), block_per_amax));
+    for (int64_t j = 0; j < d; j++) {  // no reduction inside: the loop vectorizes
+        float y = clampf(v[j] / s1, block_max);
+        float deq = block_is_e5m2 ? e5m2_value(float_to_fp8(y, 1)) : e4m3_value(float_to_fp8(y, 0));
+        xb[j] = to_dtype(deq * s1, x_f32);
+        res[j] = v[j] - xb[j];
+    }
+    const float ramax = abs_max(res, d);
+    const uint16_t s2_bits = dynamic_scale(ramax, e4m3_per_amax);
+    const float s2 = bf16_value(s2_bits);
+    *res_scale = s2_bits;
+    for (int64_t j = 0; j < d; j++) {
+        uint8_t q = float_to_fp8(clampf((v[j] - xb[j]) / s2, 448.0f), 0);
+        res_q[j] = q;
+        tail[j] = to_dtype(xb[j] + to_dtype(e4m3_value(q) * s2, x_f32), x_f32);
+    }
+}
+
+void infer8_residual_row(const float* v, int64_t d, int x_f32, int block_is_e5m2,
+                         float block_per_amax, float e4m3_per_amax, uint8_t* res_q,
+                         uint16_t* res_scale, float* tail) {  // for decode_attention.c
+    residual_row(v, d, x_f32, block_is_e5m2, block_per_amax, e4m3_per_amax, res_q, res_scale,
+                 tail);
+}
+
 void infer8_tail_residual(const void* x, int64_t rows, int64_t d, int x_f32, int block_is_e5m2,
                           float block_per_amax, float e4m3_per_amax, uint8_t* res_q,
                           uint16_t* res_scale, void* tail) {
-    const float block_max = block_is_e5m2 ? 57344.0f : 448.0f;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        float v[512], xb[512];
+        float v[512], t[512];
         if (d > 512) continue;  // the caller checks head_dim
         for (int64_t j = 0; j < d; j++) {
             v[j] = x_f32 ? ((const float*)x)[r * d + j] : bf16_value(((const uint16_t*)x)[r * d + j]);
         }
-        const float s1 = bf16_value(dynamic_scale(abs_max(v, d), block_per_amax));
-        float res[512];
-        for (int64_t j = 0; j < d; j++) {  // no reduction inside: the loop vectorizes
-            float y = clampf(v[j] / s1, block_max);
-            float deq = block_is_e5m2 ? e5m2_value(float_to_fp8(y, 1)) : e4m3_value(float_to_fp8(y, 0));
-            xb[j] = to_dtype(deq * s1, x_f32);
-            res[j] = v[j] - xb[j];
-        }
-        const float ramax = abs_max(res, d);
-        const uint16_t s2_bits = dynamic_scale(ramax, e4m3_per_amax);
-        const float s2 = bf16_value(s2_bits);
-        res_scale[r] = s2_bits;
+        residual_row(v, d, x_f32, block_is_e5m2, block_per_amax, e4m3_per_amax, res_q + r * d,
+                     res_scale + r, t);
         for (int64_t j = 0; j < d; j++) {
-            uint8_t q = float_to_fp8(clampf((v[j] - xb[j]) / s2, 448.0f), 0);
-            res_q[r * d + j] = q;
-            float out = to_dtype(xb[j] + to_dtype(e4m3_value(q) * s2, x_f32), x_f32);
             if (x_f32) {
-                ((float*)tail)[r * d + j] = out;
+                ((float*)tail)[r * d + j] = t[j];
             } else {
-                ((uint16_t*)tail)[r * d + j] = float_to_bf16(out);
+                ((uint16_t*)tail)[r * d + j] = float_to_bf16(t[j]);
             }
         }
     }
@@ -219,10 +237,28 @@ void infer8_tail_residual(const void* x, int64_t rows, int64_t d, int x_f32, int
 // x [num_tokens, num_kv_heads, d] (bf16 bits or float32), one scale per token and head
 // (fp8.dynamic_scale), values to cache[h, slot_mapping[t], :] and scales[h, slot_mapping[t]]
 // (cache viewed as [num_kv_heads, num_slots, d]). Bit for bit the torch path.
+// One row of infer8_write_fp8: v [d] -> out [d] FP8 bits and *scale (bf16 bits).
+static inline void quantize_row(const float* v, int64_t d, int is_e5m2, float per_amax,
+                                uint8_t* out, uint16_t* scale) {
+    const float fmax = is_e5m2 ? 57344.0f : 448.0f;
+    const uint16_t s_bits = dynamic_scale(abs_max(v, d), per_amax);
+    const float s = bf16_value(s_bits);
+    *scale = s_bits;
+    if (is_e5m2) {
+        for (int64_t j = 0; j < d; j++) out[j] = float_to_fp8(clampf(v[j] / s, fmax), 1);
+    } else {
+        for (int64_t j = 0; j < d; j++) out[j] = float_to_fp8(clampf(v[j] / s, fmax), 0);
+    }
+}
+
+void infer8_quantize_row(const float* v, int64_t d, int is_e5m2, float per_amax, uint8_t* out,
+                         uint16_t* scale) {  // for decode_attention.c
+    quantize_row(v, d, is_e5m2, per_amax, out, scale);
+}
+
 void infer8_write_fp8(const void* x, int64_t num_tokens, int64_t num_kv_heads, int64_t d,
                       int x_f32, int is_e5m2, float per_amax, const int64_t* slot_mapping,
                       int64_t num_slots, uint8_t* cache, uint16_t* scales) {
-    const float fmax = is_e5m2 ? 57344.0f : 448.0f;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t t = 0; t < num_tokens; t++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
@@ -232,16 +268,8 @@ void infer8_write_fp8(const void* x, int64_t num_tokens, int64_t num_kv_heads, i
             for (int64_t j = 0; j < d; j++) {
                 v[j] = x_f32 ? ((const float*)x)[r * d + j] : bf16_value(((const uint16_t*)x)[r * d + j]);
             }
-            const uint16_t s_bits = dynamic_scale(abs_max(v, d), per_amax);
-            const float s = bf16_value(s_bits);
             const int64_t slot = h * num_slots + slot_mapping[t];
-            scales[slot] = s_bits;
-            uint8_t* out = cache + slot * d;
-            if (is_e5m2) {
-                for (int64_t j = 0; j < d; j++) out[j] = float_to_fp8(clampf(v[j] / s, fmax), 1);
-            } else {
-                for (int64_t j = 0; j < d; j++) out[j] = float_to_fp8(clampf(v[j] / s, fmax), 0);
-            }
+            quantize_row(v, d, is_e5m2, per_amax, cache + slot * d, scales + slot);
         }
     }
 }

@@ -52,6 +52,22 @@ static void fwht_row(float* v, int64_t d) {
     }
 }
 
+// v [d] (floats) times the orthonormal Hadamard matrix in place, each result rounded to bf16
+// precision unless x_f32: one row of infer8_hadamard_rows, for decode_attention.c.
+void infer8_hadamard_row(float* v, int64_t d, int x_f32) {
+    const float norm = 1.0f / sqrtf((float)d);
+    fwht_row(v, d);
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+        v8f y;
+        memcpy(&y, v + i, 32);
+        y *= norm;
+        if (!x_f32) y = rnd8(y);
+        memcpy(v + i, &y, 32);
+    }
+    for (; i < d; i++) v[i] = x_f32 ? v[i] * norm : rnd1(v[i] * norm);
+}
+
 // x: [n, h, d] with strides (s0, s1, 1), bf16 bits or float32 (x_f32); out: [n, h, d]
 // contiguous, same dtype. d is a power of two <= 1024.
 void infer8_hadamard_rows(const void* x, int64_t n, int64_t h, int64_t d, int64_t s0,

@@ -192,14 +192,7 @@ class Attention(nn.Module):
             qk = apply_rope(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        n = meta.num_real_tokens
-        k_new, v_new = k[:n], v[:n]
-        self.backend.write_kv(cache, k_new, v_new, meta.slot_mapping)
-        if cache.kv_tail is None:
-            o = self.backend.forward(q, cache, meta, self.scale)
-        else:  # an FP8 cache's exact tail also reads this step's K/V unquantized (the same
-            # tensors as write_kv's: a backend may reuse what it derived from them there)
-            o = self.backend.forward(q, cache, meta, self.scale, k_new=k_new, v_new=v_new)
+        o = self.backend.write_and_attend(q, k, v, cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

@@ -183,6 +183,66 @@ def test_decode_attention_reads_the_exact_tail_as_the_torch_path_does(dtype: tor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_decode_layer_is_the_write_then_the_attention_bit_for_bit(
+    dtype: torch.dtype, hadamard: bool
+) -> None:
+    """One native call per all-decode layer (rotation, FP8 write, tail residuals, sinks, the
+    attention, rings) leaves the same cache and store and returns the same output, bit for bit,
+    as the native path's separate calls; other steps take those calls."""
+    torch.manual_seed(0)
+    ref, fused = TorchRefAttention(use_native=True), TorchRefAttention(use_native=True)
+    assert fused._native is not None
+    calls = []
+    layer = fused._native.decode_layer
+    fused._native.decode_layer = lambda *a, **k: calls.append(1) or layer(*a, **k)  # type: ignore[method-assign]
+    cpu = torch.device("cpu")
+    for step, got, want, got_cache, want_cache in run_schedule(
+        ref, fused, dtype, hadamard, cpu, fused=True
+    ):
+        assert torch.equal(got, want), step
+        for a, b in ((got_cache.k, want_cache.k), (got_cache.v, want_cache.v)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), step
+        assert torch.equal(got_cache.k_scale, want_cache.k_scale), step
+        assert torch.equal(got_cache.v_scale, want_cache.v_scale), step
+        assert got_cache.kv_tail is not None and want_cache.kv_tail is not None
+        store, want_store = got_cache.kv_tail, want_cache.kv_tail
+        assert torch.equal(store[0].view(torch.uint8), want_store[0].view(torch.uint8)), step
+        assert torch.equal(store[1], want_store[1]), step
+    assert len(calls) == 2  # the schedule's two all-decode steps
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+def test_decode_layer_without_a_tail_matches_the_separate_calls(cache_dtype: torch.dtype) -> None:
+    """16/32-bit caches (a copy instead of a quantized write) and an FP8 cache without a tail."""
+    torch.manual_seed(1)
+    ref, fused = TorchRefAttention(use_native=True), TorchRefAttention(use_native=True)
+    kvh, group, d, bs, batch = 3, 3, 64, 16, 5
+    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    cpu = torch.device("cpu")
+    cache = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, cache_dtype), 40, cpu)[0]
+    other = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, cache_dtype), 40, cpu)[0]
+    lens = [37, 1, 16, 17, 90]
+    blocks = [[1 + 8 * i + j for j in range(-(-n // bs))] for i, n in enumerate(lens)]
+    prompt = build_attention_metadata([n - 1 for n in lens], [0] * batch, blocks, bs, cpu)
+    k = torch.randn(prompt.num_real_tokens, kvh, d, dtype=dtype)
+    v = torch.randn_like(k)
+    for c in (cache, other):
+        ref.write_kv(c, k, v, prompt.slot_mapping)
+    meta = build_attention_metadata([1] * batch, [n - 1 for n in lens], blocks, bs, cpu)
+    qkv = torch.randn(batch, (kvh * group + 2 * kvh) * d, dtype=dtype)
+    q, k_new, v_new = (
+        x.view(batch, -1, d) for x in qkv.split([kvh * group * d, kvh * d, kvh * d], 1)
+    )
+    ref.write_kv(cache, k_new, v_new, meta.slot_mapping)
+    want = ref.forward(q, cache, meta, d**-0.5)
+    got = fused.write_and_attend(q, k_new, v_new, other, meta, d**-0.5)
+    assert torch.equal(got, want)
+    assert torch.equal(other.k.view(torch.uint8), cache.k.view(torch.uint8))
+    assert torch.equal(other.v.view(torch.uint8), cache.v.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 4])  # whole 8-lane vectors, or the scalar butterflies
 def test_rotate_is_the_hadamard_matmul(native: NativeFP8Gather, dtype: torch.dtype, d: int) -> None:
     """The fast Walsh-Hadamard transform of strided rows equals x @ H to float32 rounding."""
