@@ -102,6 +102,7 @@ class NativeFP8Gather:
         self._gather = bind("infer8_gather_blocks", p, p, i64, i64, i64, i64, p)
         self._residual = bind("infer8_tail_residual", p, i64, i64, i32, i32, f32, f32, p, p, p)
         self._write_store = bind("infer8_write_store", p, p, p, p, i64, i64, i64, i64, p, p)
+        self._write_rows = bind("infer8_write_rows", p, i64, i64, i64, i64, i32, p, i64, p, i32)
         self._write = bind("infer8_write_fp8", p, i64, i64, i64, i32, i32, f32, p, i64, p, p)
         self._decode = bind("infer8_decode_attention", p, p, p, p, p, i32, p, i64, p, i64, i64,
                             i64, i64, i64, i64, f32, i32, p, p, p, p, p, i64, i64, p, p, i64,
@@ -278,6 +279,25 @@ class NativeFP8Gather:
             cache_t.data_ptr(),
             scale_t.data_ptr(),
         )
+
+    def write_rows(
+        self, x: torch.Tensor, slot_mapping: torch.Tensor, cache_t: torch.Tensor
+    ) -> None:
+        """Store x [tokens, kvh, d] (rows of d, any token stride; float32 or bf16) in the slots
+        of a float32 / bf16 cache_t [kvh, num_blocks, block_size, d]: index_copy_'s values
+        (float32 -> bf16 rounds to nearest even) in one pass."""
+        native = (torch.bfloat16, torch.float32)
+        assert x.dtype in native and cache_t.dtype in native and cache_t.is_contiguous()
+        num_tokens, num_kv_heads, head_dim = x.shape
+        if x.stride(2) != 1 or x.stride(1) != head_dim:
+            x = x.contiguous()
+        slots = slot_mapping.contiguous()
+        assert slots.dtype == torch.int64 and slots.numel() == num_tokens
+        self._write_rows(
+            x.data_ptr(), x.stride(0), num_tokens, num_kv_heads, head_dim,
+            int(x.dtype == torch.float32), slots.data_ptr(), cache_t[0].numel() // head_dim,
+            cache_t.data_ptr(), int(cache_t.dtype == torch.float32),
+        )  # fmt: skip
 
     @staticmethod
     def decode_supported(cache: LayerKVCache, dtype: torch.dtype) -> bool:

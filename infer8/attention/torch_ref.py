@@ -119,6 +119,14 @@ class TorchRefAttention:
             torch.maximum(cache.v_amax, v.abs().amax(dim=0).float(), out=cache.v_amax)
         k_flat = cache.k.view(num_kv_heads, -1, head_dim)  # [kvh, num_slots, d]
         v_flat = cache.v.view(num_kv_heads, -1, head_dim)
+        native_rows = (torch.bfloat16, torch.float32)
+        if cache.k_scale is None and self._native is not None and cache.k.device.type == "cpu":
+            if k.dtype in native_rows and cache.k.dtype in native_rows:
+                # one pass from the projection's strided rows: index_copy_ took 3 ms per
+                # tensor for a 4,096-token bf16 step
+                self._native.write_rows(k, slot_mapping, cache.k)
+                self._native.write_rows(v, slot_mapping, cache.v)
+                return
         if cache.k_scale is None:
             # index_copy_ rather than `flat[:, slots] = ...` (index_put): 207 vs 303 us for a
             # 2,048-token chunk on the reference CPU, the same values

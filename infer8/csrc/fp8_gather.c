@@ -274,6 +274,32 @@ void infer8_write_fp8(const void* x, int64_t num_tokens, int64_t num_kv_heads, i
     }
 }
 
+// New K or V rows into a 16/32-bit cache (torch_ref.write_kv's index_copy_): x [num_tokens,
+// num_kv_heads, d] at token stride x_stride (elements; heads d apart), float32 or bf16 bits
+// (x_f32), to cache[h, slot_mapping[t], :] (cache viewed as [num_kv_heads, num_slots, d]),
+// float32 or bf16 (cache_f32; float32 -> bf16 rounds to nearest even, as .to() does).
+void infer8_write_rows(const void* x, int64_t x_stride, int64_t num_tokens, int64_t num_kv_heads,
+                       int64_t d, int x_f32, const int64_t* slot_mapping, int64_t num_slots,
+                       void* cache, int cache_f32) {
+#pragma omp parallel for collapse(2) schedule(static) if (num_tokens * num_kv_heads >= 256)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t from = t * x_stride + h * d, to = (h * num_slots + slot_mapping[t]) * d;
+            if (x_f32 == cache_f32) {
+                const int64_t bytes = d * (x_f32 ? 4 : 2);
+                memcpy((char*)cache + to * (x_f32 ? 4 : 2), (const char*)x + from * (x_f32 ? 4 : 2),
+                       (size_t)bytes);
+            } else if (x_f32) {  // float32 into bf16
+                for (int64_t j = 0; j < d; j++)
+                    ((uint16_t*)cache)[to + j] = float_to_bf16(((const float*)x)[from + j]);
+            } else {  // bf16 into float32: exact
+                for (int64_t j = 0; j < d; j++)
+                    ((float*)cache)[to + j] = bf16_value(((const uint16_t*)x)[from + j]);
+            }
+        }
+    }
+}
+
 // exact_tail.write_store: the residuals of tokens token_ids[i] ([tokens, heads, d] E4M3 values,
 // [tokens, heads] bf16 scales) into the tail store's slots slots[i] (store [heads,
 // store_slots, d], scales [heads, store_slots]). A decode step writes one row per sequence and

@@ -182,6 +182,24 @@ def test_decode_attention_reads_the_exact_tail_as_the_torch_path_does(dtype: tor
     assert min(errors) > 1e-3, errors  # the tail changes outputs by far more than the bound
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_rows_stores_what_index_copy_stores(
+    native: NativeFP8Gather, x_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """16/32-bit cache writes from a fused projection's strided rows, bit for bit."""
+    torch.manual_seed(0)
+    kvh, d, tokens = 3, 64, 300
+    cache = torch.randn(kvh, 40, 16, d).to(cache_dtype)
+    want = cache.clone()
+    qkv = torch.randn(tokens, 15 * d, dtype=x_dtype) * 3
+    k = qkv[:, 9 * d : 12 * d].view(tokens, kvh, d)  # a strided view, as a model layer passes
+    slots = torch.randperm(40 * 16)[:tokens]
+    want.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1).to(cache_dtype))
+    native.write_rows(k, slots, cache)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hadamard", [True, False])
 def test_decode_layer_is_the_write_then_the_attention_bit_for_bit(
