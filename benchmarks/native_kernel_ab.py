@@ -16,6 +16,7 @@ weights evict it. Engine mode builds one engine per (KV dtype, library), float32
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import subprocess
 import tempfile
@@ -110,13 +111,16 @@ def engine_steps(
             backend = engine.executor.driver_worker.attn_backend  # type: ignore[attr-defined]
             inside: list[float] = []
 
-            def timed(*args, _call=lib.decode_attention, _out=inside, **kwargs):  # type: ignore[no-untyped-def]
-                t0 = time.perf_counter()
-                result = _call(*args, **kwargs)
-                _out.append(time.perf_counter() - t0)
-                return result
+            def timed(_call, _out=inside):  # type: ignore[no-untyped-def]
+                def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+                    t0 = time.perf_counter()
+                    result = _call(*args, **kwargs)
+                    _out.append(time.perf_counter() - t0)
+                    return result
 
-            backend._native = _Timed(lib, timed)
+                return call
+
+            backend._native = _Timed(lib, timed(lib.decode_attention), timed(lib.decode_layer))
             for i in range(batch):
                 engine.add_request([(i * 7 + j) % 30000 + 100 for j in range(prompt_len)], params)
             for _ in range(-(-batch * prompt_len // 2048) + 2):  # the prefill, two decodes
@@ -132,16 +136,18 @@ def engine_steps(
     for label, _, times, inside in runs:
         print(
             f"{label}: step {statistics.median(times) * 1e3:.1f} ms, "
-            f"decode attention {sum(inside) / steps * 1e3:.1f} ms per step"
+            f"decode attention (layer) {sum(inside) / steps * 1e3:.1f} ms per step"
         )
 
 
 class _Timed:
-    """A library whose decode_attention is timed; every other call goes to the library."""
+    """A library whose decode_attention and decode_layer are timed; every other call goes to
+    the library."""
 
-    def __init__(self, lib: cpu_native.NativeFP8Gather, decode_attention) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, lib: cpu_native.NativeFP8Gather, decode_attention, decode_layer) -> None:  # type: ignore[no-untyped-def]
         self._lib = lib
         self.decode_attention = decode_attention
+        self.decode_layer = decode_layer
 
     def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         return self._lib(*args, **kwargs)
@@ -161,8 +167,11 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help="engine mode's compute dtype")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        base = base_library(args.base, Path(tmp))
+        if not hasattr(ctypes.CDLL(str(base)), "infer8_decode_layer"):
+            raise SystemExit(f"--base {args.base} predates this tree's kernel set (decode_layer)")
         libs = {
-            "base": cpu_native.NativeFP8Gather(base_library(args.base, Path(tmp))),
+            "base": cpu_native.NativeFP8Gather(base),
             "head": cpu_native.NativeFP8Gather(cpu_native.build_library()),
         }
         if args.engine:

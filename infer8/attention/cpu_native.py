@@ -114,6 +114,7 @@ class NativeFP8Gather:
         self._hadamard = bind("infer8_hadamard_rows", p, i64, i64, i64, i64, i64, i32, p)
         self._rms_norm = bind("infer8_rms_norm", p, i64, p, p, i64, i64, f32, i32, p)
         self._silu_and_mul = bind("infer8_silu_and_mul", p, i64, i64, i32, p)
+        self._greedy = bind("infer8_greedy_rows", p, i64, i64, f32, p)
         self._rope = bind("infer8_rope", p, i64, i64, i64, i64, p, p, i32)
         self._band = bind("infer8_band_attention", p, p, p, i64, i64, i64, i64, i64, i64, i64,
                           f32, i32, p, p)  # fmt: skip
@@ -398,7 +399,7 @@ class NativeFP8Gather:
         num_kv_heads, num_blocks, block_size, _ = cache.k.shape
         assert k.shape == v.shape == (b, num_kv_heads, d) and q.dtype == k.dtype == v.dtype
         assert q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == d
-        assert v.stride() == k.stride()
+        assert v.stride() == k.stride() or b == 1  # one row: dim 0's stride is never read
         table, lens = block_table.contiguous(), seq_lens.contiguous()
         slots = slot_mapping.contiguous()
         assert table.dtype == lens.dtype == slots.dtype == torch.int64
@@ -482,6 +483,16 @@ class NativeFP8Gather:
         bf16 = int(gate_up.dtype == torch.bfloat16)
         self._silu_and_mul(gate_up.data_ptr(), n, width // 2, bf16, out.data_ptr())
         return out
+
+    def greedy(self, logits: torch.Tensor, limit: float) -> list[int]:
+        """Return each row's argmax of float32 logits [rows, vocab] after the sampler's
+        sanitizing (NaN -> -limit, clamped to [-limit, limit]; the first of equal maxima), as
+        torch's argmax of that sanitized copy returns it, in one pass without the copy."""
+        assert logits.dtype == torch.float32 and logits.dim() == 2 and logits.device.type == "cpu"
+        logits = logits.contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._greedy(logits.data_ptr(), logits.shape[0], logits.shape[1], limit, out.data_ptr())
+        return out.tolist()
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [n, heads, d] in place (rotate_half convention) by cos, sin [n, d / 2]."""

@@ -180,7 +180,7 @@ class TorchRefAttention:
             and native.decode_layer_supported(cache, q)
             and q.stride(1) == k.stride(1) == q.shape[-1]
             and q.stride(-1) == k.stride(-1) == 1
-            and k.stride() == v.stride()
+            and (k.stride() == v.stride() or k.shape[0] == 1)  # one row: dim 0's stride unused
         ):
             return native.decode_layer(
                 q, k, v, cache, meta.slot_mapping, meta.decode_block_tables,

@@ -12,8 +12,11 @@
 
 #include "simd.h"
 
-// Rows worth a thread each: below ~64 K elements the OpenMP fork costs more than it saves.
-#define PARALLEL_ELEMS 65536
+// Passes of at least this many elements use every thread. Measured on a 2-core Zen 4, bf16,
+// each call after a torch matmul as in a decode step at batch 32: silu * up [32, 1536] 91.7 ->
+// 63.4 us, RoPE [32, 12, 64] 34.4 -> 24.2 us, RMSNorm [32, 576] 37.5 -> 32.4 us against a
+// 65,536 threshold; no faster at 4,096.
+#define PARALLEL_ELEMS 16384
 
 // out[t] = w * (x[t] * 1 / sqrt(mean(x[t]^2) + eps)): x [rows, h] at row stride x_stride, out
 // [rows, h] contiguous, w [h], all float32 or all bf16. With `add` (not NULL), x[t] += add[t]
@@ -120,5 +123,58 @@ void infer8_rope(void* x, int64_t x_stride, int64_t rows, int64_t heads, int64_t
                 st1(x, x2 + i, bc + as, bf16);
             }
         }
+    }
+}
+
+// Greedy sampling: out[r] = the first index of the largest value of row r of x [rows, n]
+// (float32) after the sampler's sanitizing (NaN -> -limit, values clamped to [-limit, limit]):
+// torch's argmax of the sanitized copy, without the copy. One pass keeps each lane's maximum
+// and the first index holding it; a maximum at or beyond a limit (ties after the clamp) takes
+// a second pass for the first element that sanitizes to it.
+static inline float sanitize(float v, float limit) {
+    v = v != v ? -limit : v;  // NaN
+    v = v < -limit ? -limit : v;
+    return v > limit ? limit : v;
+}
+
+void infer8_greedy_rows(const float* x, int64_t rows, int64_t n, float limit, int64_t* out) {
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* row = x + r * n;
+        int64_t i = 0;
+        v8f vm = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                  -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        v8i at = {0, 1, 2, 3, 4, 5, 6, 7}, vi = at;
+        for (; i + 8 <= n; i += 8) {
+            v8f v;
+            memcpy(&v, row + i, 32);
+            v8i keep = v > vm, vb, mb;  // strictly greater: a lane keeps its first maximum
+            memcpy(&vb, &v, 32);
+            memcpy(&mb, &vm, 32);
+            mb = (vb & keep) | (mb & ~keep);
+            memcpy(&vm, &mb, 32);
+            vi = (at & keep) | (vi & ~keep);
+            at += 8;
+        }
+        float m = -INFINITY;
+        int64_t best = -1;
+        for (int l = 0; l < 8 && i > 0; l++) {  // the first index among the lanes' maxima
+            if (vm[l] > m || (vm[l] == m && vi[l] < best)) {
+                m = vm[l];
+                best = vi[l];
+            }
+        }
+        for (; i < n; i++) {
+            if (row[i] > m) {
+                m = row[i];
+                best = i;
+            }
+        }
+        if (best < 0 || !(m > -limit && m < limit)) {  // NaN only, or ties after the clamp
+            m = sanitize(m, limit);
+            for (best = 0; best < n - 1 && sanitize(row[best], limit) != m; best++) {
+            }
+        }
+        out[r] = best;
     }
 }

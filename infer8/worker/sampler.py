@@ -9,6 +9,7 @@ other rows are sampled as usual (per-request fault isolation).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -120,6 +121,9 @@ class Sampler:
 
     def __init__(self, device: torch.device, seed: int) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # (logits, limit) -> each row's argmax after _finite_, without the copy: a native pass
+        # on CPU (NativeFP8Gather.greedy), for steps whose rows are all plain greedy
+        self.greedy: Callable[[torch.Tensor, float], list[int]] | None = None
 
     def __call__(
         self,
@@ -128,6 +132,12 @@ class Sampler:
         eos_token_ids: list[int] | tuple[int, ...] = (),
     ) -> SamplerOutput:
         """Sample a token per row of `logits` ([num_rows, vocab]); failed rows land in errors."""
+        if self.greedy is not None and logits.dtype == torch.float32 and logits.dim() == 2:
+            plain = (s.params.is_greedy and s.params.logprobs is None and not s.needs_penalties
+                     for s in states)  # fmt: skip
+            if all(plain):
+                tokens = self.greedy(logits, _LOGIT_LIMIT)
+                return SamplerOutput(tokens, [None] * len(states), {})
         logits = logits.to(torch.float32, copy=True)  # [num_rows, vocab], our own copy
         # Tokens already masked (-inf: a grammar's bitmask) stay masked whatever the penalties
         # do to them (a repetition penalty below 1 would pull -1e20 up to about 0).

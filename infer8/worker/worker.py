@@ -76,6 +76,7 @@ class Worker:
         self.packed_linear_layers = self._pack_cpu_weights(model, model_config, scheduler_config)
         if model_config.device.type == "cpu":  # steps' large activations reuse heap blocks
             HostMemory().reuse_large_blocks()
+        kernels = None
         if model_config.device.type == "cpu" and model_config.dtype in _NATIVE_DTYPES:
             kernels = NativeFP8Gather.load()  # built once per machine; None without a compiler
             if kernels is not None:
@@ -143,6 +144,8 @@ class Worker:
             is_driver=self.is_driver,
             exact_tail=self.kv_spec,
         )
+        if kernels is not None:  # CPU logits (float32 from compute_logits): a native argmax
+            self.runner.sampler.greedy = kernels.greedy
         if device.type == "cuda" and not model_config.enforce_eager and not self.uses_exact_tail:
             self._capture_cuda_graphs()
 

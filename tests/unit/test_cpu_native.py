@@ -231,16 +231,25 @@ def test_decode_layer_is_the_write_then_the_attention_bit_for_bit(
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
-def test_decode_layer_without_a_tail_matches_the_separate_calls(cache_dtype: torch.dtype) -> None:
-    """16/32-bit caches (a copy instead of a quantized write) and an FP8 cache without a tail."""
+@pytest.mark.parametrize("batch", [5, 1])
+def test_decode_layer_without_a_tail_matches_the_separate_calls(
+    cache_dtype: torch.dtype, batch: int
+) -> None:
+    """16/32-bit caches (a copy instead of a quantized write) and an FP8 cache without a tail;
+    q / k / v split from one projection as the model splits them (one row: dim 0's strides
+    differ, and the fused path still runs)."""
     torch.manual_seed(1)
     ref, fused = TorchRefAttention(use_native=True), TorchRefAttention(use_native=True)
-    kvh, group, d, bs, batch = 3, 3, 64, 16, 5
+    assert fused._native is not None
+    calls = []
+    layer = fused._native.decode_layer
+    fused._native.decode_layer = lambda *a, **k: calls.append(1) or layer(*a, **k)  # type: ignore[method-assign]
+    kvh, group, d, bs = 3, 3, 64, 16
     dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
     cpu = torch.device("cpu")
     cache = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, cache_dtype), 40, cpu)[0]
     other = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, cache_dtype), 40, cpu)[0]
-    lens = [37, 1, 16, 17, 90]
+    lens = [37, 1, 16, 17, 90][:batch]
     blocks = [[1 + 8 * i + j for j in range(-(-n // bs))] for i, n in enumerate(lens)]
     prompt = build_attention_metadata([n - 1 for n in lens], [0] * batch, blocks, bs, cpu)
     k = torch.randn(prompt.num_real_tokens, kvh, d, dtype=dtype)
@@ -249,12 +258,13 @@ def test_decode_layer_without_a_tail_matches_the_separate_calls(cache_dtype: tor
         ref.write_kv(c, k, v, prompt.slot_mapping)
     meta = build_attention_metadata([1] * batch, [n - 1 for n in lens], blocks, bs, cpu)
     qkv = torch.randn(batch, (kvh * group + 2 * kvh) * d, dtype=dtype)
-    q, k_new, v_new = (
-        x.view(batch, -1, d) for x in qkv.split([kvh * group * d, kvh * d, kvh * d], 1)
-    )
+    qk, v_new = qkv.split([(kvh * group + kvh) * d, kvh * d], dim=-1)  # as llama.Attention
+    q, k_new = qk.view(batch, -1, d).split([kvh * group, kvh], dim=1)
+    v_new = v_new.view(batch, kvh, d)
     ref.write_kv(cache, k_new, v_new, meta.slot_mapping)
     want = ref.forward(q, cache, meta, d**-0.5)
     got = fused.write_and_attend(q, k_new, v_new, other, meta, d**-0.5)
+    assert calls == [1]
     assert torch.equal(got, want)
     assert torch.equal(other.k.view(torch.uint8), cache.k.view(torch.uint8))
     assert torch.equal(other.v.view(torch.uint8), cache.v.view(torch.uint8))
@@ -387,3 +397,24 @@ def test_write_store_matches_the_torch_write(native: NativeFP8Gather) -> None:
     native.write_store(store, res, token_ids[:0], slots[:0])  # nothing to write
     for got, ref in zip(store, want):
         assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_greedy_is_the_argmax_of_the_sanitized_logits(native: NativeFP8Gather) -> None:
+    """NaN, infinities, values beyond the clamp limit, ties (the first wins), rows of every
+    length modulo the 8 lanes: the sampler's _finite_ then argmax, index for index."""
+    from infer8.worker.sampler import _LOGIT_LIMIT, _finite_
+
+    torch.manual_seed(0)
+    for n in (1, 7, 8, 13, 49152):
+        x = torch.randn(9, n) * 10
+        x[1, n // 2] = float("nan")
+        x[2, :] = float("nan")  # every value NaN: the first index, as argmax of -limit
+        x[3, n // 3] = float("inf")
+        x[3, -1] = float("inf")  # two +inf clamp to equal maxima: the first
+        x[4, :] = float("-inf")
+        x[5, -1] = 3e20  # beyond the limit, tied with another after the clamp
+        x[5, 0] = 2e20
+        x[6, n - 1] = 1e3  # the maximum last (in the scalar tail when n % 8)
+        x[7, :] = 1.0  # all equal
+        want = _finite_(x.clone()).argmax(dim=-1).tolist()
+        assert native.greedy(x, _LOGIT_LIMIT) == want, n
