@@ -231,20 +231,12 @@ def build_tail_metadata(
     ring, stride = window - 1, window - 1 + sink_tokens
     decode = set(decode_seq_ids)
     read_rows: list[int] = []
-    dec_pos: list[list[int]] = []
-    dec_valid: list[list[float]] = []
     for i in decode_seq_ids:
-        s0, slot = num_computed_tokens[i], sinks[i][0]
-        lo = max(exact_starts[i], s0 - ring)
-        read_rows += [rows[i], max(slot, 0)]
-        # ring offset j holds the position p in [s0 - ring, s0) with p % ring == j
-        ring_pos = [s0 - ring + (j - (s0 - ring)) % ring for j in range(ring)]
-        num_sinks_read = min(sink_tokens if slot >= 0 else 0, lo)
-        pos = ring_pos + [0] * sink_tokens + [0] * ring + list(range(sink_tokens))
-        valid = [float(p >= lo) for p in ring_pos] + [0.0] * (sink_tokens + ring)
-        valid += [float(p < num_sinks_read) for p in range(sink_tokens)]
-        dec_pos.append([p if v else 0 for p, v in zip(pos, valid)])
-        dec_valid.append(valid)
+        read_rows += [rows[i], max(sinks[i][0], 0)]
+    dec_pos, dec_valid = _decode_positions(
+        ring, sink_tokens, [num_computed_tokens[i] for i in decode_seq_ids],
+        [exact_starts[i] for i in decode_seq_ids], [sinks[i][0] for i in decode_seq_ids],
+    )  # fmt: skip
     prefill_rows: dict[int, int] = {}  # store row -> its index among the rows read
 
     def read(row: int, offset: int) -> int:
@@ -277,26 +269,51 @@ def build_tail_metadata(
     def t(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64, device=device)
 
+    empty = t([])  # the decode sequences' (read-only) prefill read lists
+
     return TailMetadata(
         window,
         ring,
         exact_starts,
         num_sinks,
         t(read_rows + list(prefill_rows)),
-        [t(x) for x in ring_reads],
-        [t(x) for x in sink_reads],
+        [t(x) if x else empty for x in ring_reads],
+        [t(x) if x else empty for x in sink_reads],
         t(lists["wt"]),
         t(lists["ws"]),
         t(lists["st"]),
         t(lists["ss"]),
         t([b * decode_ctx_len + num_computed_tokens[i] for b, i in enumerate(decode_seq_ids)]),
-        t(dec_pos).view(len(decode_seq_ids), 2 * stride),
-        torch.tensor(dec_valid, dtype=torch.float32, device=device).view(
-            len(decode_seq_ids), 2 * stride
-        ),
+        dec_pos.to(device),
+        dec_valid.to(device),
         rows=list(rows),
         sink_rows=[slot for slot, _ in sinks],
     )
+
+
+def _decode_positions(
+    ring: int, sink_tokens: int, s0: list[int], starts: list[int], slots: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the decode sequences' read positions and validity ([B, 2 * (ring + S)] int64,
+    float32): per sequence its ring row's ring positions and S zeros, then its sink row's
+    ring zeros and sink positions 0..S-1; a position is valid when the sequence reads it from
+    the store (ring positions from its first exact one, sinks below it). Invalid ones read 0.
+    """
+    b = len(s0)
+    first = torch.tensor(s0, dtype=torch.int64) - ring  # [B]: the ring's oldest position
+    lo = torch.maximum(torch.tensor(starts, dtype=torch.int64), first)
+    # ring offset j holds the position p in [s0 - ring, s0) with p % ring == j
+    offsets = torch.arange(ring, dtype=torch.int64)
+    ring_pos = first[:, None] + torch.remainder(offsets[None, :] - first[:, None], max(ring, 1))
+    has_sinks = torch.tensor(slots, dtype=torch.int64) >= 0
+    num_sinks_read = torch.minimum(torch.where(has_sinks, sink_tokens, 0), lo)
+    sink_pos = torch.arange(sink_tokens, dtype=torch.int64).expand(b, sink_tokens)
+    zeros = torch.zeros((b, sink_tokens + ring), dtype=torch.int64)
+    pos = torch.cat([ring_pos, zeros, sink_pos], dim=1)
+    valid = torch.cat(
+        [ring_pos >= lo[:, None], zeros.bool(), sink_pos < num_sinks_read[:, None]], 1
+    )
+    return pos * valid, valid.float()
 
 
 def write_store(

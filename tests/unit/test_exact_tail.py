@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from infer8.attention.exact_tail import (
     DEFAULT_EXACT_SINK_TOKENS,
     DEFAULT_EXACT_TAIL_TOKENS,
     ExactTailConfig,
+    _decode_positions,
     add_residual,
     build_tail_metadata,
     hadamard,
@@ -193,3 +195,30 @@ def test_plan_counts_the_tail_rings() -> None:
         kv_cache_exact_tail_tokens=None, kv_cache_exact_sink_tokens=None,
     )  # fmt: skip
     assert a100.kv_cache_exact_tail_tokens == 0 and exact_tail_bytes(a100) == 0
+
+
+def test_decode_positions_match_a_sequence_by_sequence_reading() -> None:
+    """The decode sequences' read positions, built as tensors, against the plain per-sequence
+    definition: ring offset j holds the position p in [s0 - ring, s0) with p % ring == j,
+    valid from the sequence's first exact position; its sinks valid below that."""
+    rng = random.Random(0)
+    for _ in range(500):
+        ring, sinks = rng.choice([0, 1, 5, 23]), rng.choice([0, 1, 4])
+        n = rng.randint(0, 6)
+        s0 = [rng.randint(0, 300) for _ in range(n)]
+        starts = [max(0, x - rng.randint(0, 60)) for x in s0]
+        slots = [rng.choice([-1, rng.randint(0, 9)]) for _ in range(n)]
+        want_pos, want_valid = [], []
+        for s, start, slot in zip(s0, starts, slots):
+            lo = max(start, s - ring)
+            ring_pos = [s - ring + (j - (s - ring)) % ring for j in range(ring)]
+            num_read = min(sinks if slot >= 0 else 0, lo)
+            pos = ring_pos + [0] * (sinks + ring) + list(range(sinks))
+            valid = [float(p >= lo) for p in ring_pos] + [0.0] * (sinks + ring)
+            valid += [float(p < num_read) for p in range(sinks)]
+            want_pos.append([p if v else 0 for p, v in zip(pos, valid)])
+            want_valid.append(valid)
+        pos, valid = _decode_positions(ring, sinks, s0, starts, slots)
+        assert pos.dtype == torch.int64 and valid.dtype == torch.float32
+        assert pos.shape == valid.shape == (n, 2 * (ring + sinks))
+        assert pos.tolist() == want_pos and valid.tolist() == want_valid
