@@ -122,6 +122,7 @@ class NativeFP8Gather:
                                i64, p, i64, p, i64, i64, i64, i64, i64, i64, f32, i32, p,
                                i64, i64)  # fmt: skip
         self._ones: dict[int, torch.Tensor] = {}
+        self._no_second = torch.zeros(0, dtype=torch.uint8)  # causal_attention: no second value
 
     @classmethod
     def load(cls) -> NativeFP8Gather | None:
@@ -533,6 +534,18 @@ class NativeFP8Gather:
         """Return whether two_value_attention runs on q [H, q_len, d] (float32 or bf16 on the
         CPU, d a multiple of 8)."""
         return NativeFP8Gather.elementwise_supported(q) and q.shape[-1] % 8 == 0
+
+    def causal_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of a chunk's queries q [H, q_len, d] (the last q_len of n
+        positions) over keys / values [kvh, n, d]: the two-value pass reading first values only.
+        Returns [H, q_len, d] (a view of a [q_len, H, d] tensor)."""
+        q_len, n = q.shape[1], k.shape[1]
+        if self._no_second.numel() < q_len * n:
+            self._no_second = torch.zeros(q_len * n, dtype=torch.uint8)
+        second = self._no_second[: q_len * n].view(q_len, n)
+        return self.two_value_attention(q, (k, k), (v, v), second, n - q_len, scale)
 
     def two_value_attention(
         self,

@@ -79,6 +79,9 @@ class TorchRefAttention:
         dense_tail_max_len: int = tail_prefill.DENSE_TAIL_MAX_LEN,
     ) -> None:
         self.dense_tail_max_len = dense_tail_max_len
+        # fresh prompts up to this length attend through the native two-value pass (first
+        # values only): 0.66-0.79x SDPA's time from 16 to 512 bf16 tokens, 1.04x at 1,024
+        self.native_causal_max_len = 512
         self._dequantize: Dequantize = _dequantize_eager
         self._buffers: dict[str, torch.Tensor] = {}
         # write_kv's inputs and their rotations: forward gets the same tensors as k_new /
@@ -476,6 +479,12 @@ class TorchRefAttention:
                 o = split_prefill_attention(qs, ranges, None, scale)
                 out[start:end] = o.transpose(0, 1)
                 continue
+            native = self._native
+            if native is not None and seq_len <= self.native_causal_max_len:
+                if native.two_value_supported(qs):  # float32 / bf16 on the CPU
+                    o = native.causal_attention(qs, k, v, scale)
+                    out[start:end] = o.transpose(0, 1)
+                    continue
             # 4-D inputs: on CPU, 3-D ones fall back to SDPA's unfused math path (explicit
             # mask, bmm + softmax), measured 6x slower on a 2,048-token prompt.
             o = F.scaled_dot_product_attention(

@@ -418,3 +418,32 @@ def test_greedy_is_the_argmax_of_the_sanitized_logits(native: NativeFP8Gather) -
         x[7, :] = 1.0  # all equal
         want = _finite_(x.clone()).argmax(dim=-1).tolist()
         assert native.greedy(x, _LOGIT_LIMIT) == want, n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len, n", [(1, 1), (13, 13), (128, 128), (5, 40), (77, 300)])
+def test_causal_attention_matches_sdpa(
+    native: NativeFP8Gather, dtype: torch.dtype, q_len: int, n: int
+) -> None:
+    """A fresh prompt's attention (and a chunk's after n - q_len earlier keys), GQA 9 over 3:
+    float64 SDPA's values to float32 rounding; bf16 no further from them than bf16 SDPA."""
+    torch.manual_seed(0)
+    q = (torch.randn(q_len, 9, 64) * 2).to(dtype).transpose(0, 1)  # a view, as _attend passes
+    k, v = (torch.randn(3, n, 64) * 2).to(dtype), torch.randn(3, n, 64).to(dtype)
+    mask = torch.ones(q_len, n, dtype=torch.bool).tril(n - q_len)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[None].double(), k[None].double(), v[None].double(), mask, scale=0.125, enable_gqa=True
+    )[0]
+    got = native.causal_attention(q, k, v, 0.125)
+    assert got.shape == want.shape and got.dtype == dtype
+
+    def rel(x: torch.Tensor) -> float:
+        return ((x.double() - want).norm() / want.norm()).item()
+
+    if dtype == torch.float32:
+        assert rel(got) < 1e-6
+        return
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q[None], k[None], v[None], mask, scale=0.125, enable_gqa=True
+    )[0]
+    assert rel(got) < max(1.5 * rel(sdpa), 1e-3), (rel(got), rel(sdpa))
