@@ -7,7 +7,9 @@
 // exact_tail.py) enters as it does in the torch reference: the new token's tail value replaces
 // its block value, and each valid tail position gets q.r added to its score and p.r to the
 // output. Built with the other native kernels (cpu_native.py); GCC vector extensions, so the
-// same source vectorizes for AVX2, AVX-512 or NEON.
+// same source vectorizes for AVX2, AVX-512 or NEON; with AVX512-BF16, a bf16 cache read by bf16
+// queries takes the bf16 dot-product instruction for scores and values (exact products, another
+// summation order).
 
 #include <math.h>
 #if defined(__F16C__) || defined(__AVX__)
@@ -161,6 +163,43 @@ static inline __attribute__((always_inline)) void value_tile(
         for (int c = 0; c < nc; c++) memcpy(acc + g * d + c0 + 8 * c, &a[g][c], 32);
 }
 
+#ifdef __AVX512BF16__
+// dot_tile for a bf16 cache and bf16 queries (qb: [nh][d] bf16 bits, d a multiple of 32) with
+// AVX512-BF16: each instruction multiplies 32 bf16 pairs exactly and adds them into 16 float32
+// lanes, where dot_tile widens both to float32 and takes 8 FMAs per 64 dims. The same products,
+// summed in another order (float32 rounding; the scores are then rounded to bf16 as before).
+static inline __attribute__((always_inline)) void dot_tile_bf16(
+    const uint16_t* qb, int64_t d, const char* const* rows, int nh, int kj,
+    float dots[MAX_HEADS][MAX_KEYS]) {
+    __m512 acc[MAX_HEADS][MAX_KEYS];
+    for (int g = 0; g < nh; g++)
+        for (int k = 0; k < kj; k++) acc[g][k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32) {
+        __m512bh kv[MAX_KEYS];
+        for (int k = 0; k < kj; k++)
+            kv[k] = (__m512bh)_mm512_loadu_si512((const void*)(rows[k] + i * 2));
+        for (int g = 0; g < nh; g++) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(qb + g * d + i));
+            for (int k = 0; k < kj; k++) acc[g][k] = _mm512_dpbf16_ps(acc[g][k], qv, kv[k]);
+        }
+    }
+    for (int g = 0; g < nh; g++) {
+        if (kj == MAX_KEYS) {  // 16 lanes folded to 8, then the 4-key horizontal sums
+            v8f h[MAX_KEYS];
+            for (int k = 0; k < MAX_KEYS; k++) {
+                const __m256 hi =
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[g][k]), 1));
+                __m256 s = _mm256_add_ps(_mm512_castps512_ps256(acc[g][k]), hi);
+                memcpy(&h[k], &s, 32);
+            }
+            hsum4(h[0], h[1], h[2], h[3], dots[g]);
+        } else {
+            for (int k = 0; k < kj; k++) dots[g][k] = _mm512_reduce_add_ps(acc[g][k]);
+        }
+    }
+}
+#endif
+
 // The scores of n cached keys (no tail value) for NH heads, in tiles of MAX_KEYS keys.
 static inline __attribute__((always_inline)) void score_keys(
     const float* qf, int64_t d, const char* const* rows, const float* kscale, int64_t n,
@@ -168,13 +207,33 @@ static inline __attribute__((always_inline)) void score_keys(
     const char* const* also) {
     float dots[MAX_HEADS][MAX_KEYS];
     const int64_t row_bytes = d * (kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1);
+#ifdef __AVX512BF16__
+    // bf16 queries (their float values are bf16's) against a bf16 cache: the bf16 dot products
+    uint16_t qb[MAX_HEADS * 512];
+    const int paired = kind == KV_BF16 && !x_f32 && d % 32 == 0 && d <= 512;
+    if (paired)
+        for (int64_t i = 0; i < nh * d; i++) {
+            uint32_t bits;
+            memcpy(&bits, qf + i, 4);
+            qb[i] = (uint16_t)(bits >> 16);
+        }
+#define DOT_TILE(R, KJ)                                             \
+    do {                                                            \
+        if (paired)                                                 \
+            dot_tile_bf16(qb, d, R, nh, KJ, dots);                  \
+        else                                                        \
+            dot_tile(qf, d, R, kind, nh, KJ, dots);                 \
+    } while (0)
+#else
+#define DOT_TILE(R, KJ) dot_tile(qf, d, R, kind, nh, KJ, dots)
+#endif
     int64_t j = 0;
     for (; j + MAX_KEYS <= n; j += MAX_KEYS) {
         for (int64_t k = j + AHEAD; k < j + AHEAD + MAX_KEYS && k < n; k++) {
             prefetch_row(rows[k], row_bytes);
             if (also != NULL) prefetch_row(also[k], row_bytes);
         }
-        dot_tile(qf, d, rows + j, kind, nh, MAX_KEYS, dots);
+        DOT_TILE(rows + j, MAX_KEYS);
         v4f ks;
         memcpy(&ks, kscale + j, 16);
         for (int g = 0; g < nh; g++) {  // 4 lanes at once: the same roundings as one by one
@@ -187,13 +246,14 @@ static inline __attribute__((always_inline)) void score_keys(
         }
     }
     for (; j < n; j++) {
-        dot_tile(qf, d, rows + j, kind, nh, 1, dots);
+        DOT_TILE(rows + j, 1);
         for (int g = 0; g < nh; g++) {
             float sc = dots[g][0] * kscale[j];
             if (!x_f32) sc = round_bf16(sc);
             scores[g * len + j] = sc * sm_scale;
         }
     }
+#undef DOT_TILE
 }
 
 // The weighted sum of n cached value rows for NH heads into acc [NH, d].
@@ -213,6 +273,56 @@ static inline __attribute__((always_inline)) void sum_values(
         for (; c0 < d; c0 += 8) value_tile(w + j0, stride, rows + j0, m, kind, c0, nh, 1, acc, d);
     }
 }
+
+#ifdef __AVX512BF16__
+// sum_cached for a bf16 cache whose weights are bf16 values (probabilities rounded to bf16,
+// unit scales) and d a multiple of 32: acc [group, d] += sum_j w_g[j] * row_j, two rows per
+// AVX512-BF16 instruction (each 32-bit lane holds a dim of row j and of row j + 1, the weights
+// broadcast as the matching pair): the same exact products, summed in another order. The
+// interleave keeps 128-bit lanes, so accumulators hold dims 8L + {0..3} (low) and 8L + {4..7}
+// (high) of each 32-dim slab; they are put back in order once per slab.
+static void pair_values(const float* w, int64_t stride, const char* const* rows, int64_t n,
+                        int64_t group, float* acc, int64_t d) {
+    static const uint16_t zero_row[512] = {0};
+    for (int64_t g0 = 0; g0 < group; g0 += MAX_HEADS) {
+        const int nh = group - g0 < MAX_HEADS ? (int)(group - g0) : MAX_HEADS;
+        for (int64_t slab = 0; slab < d; slab += 32) {
+            __m512 lo[MAX_HEADS], hi[MAX_HEADS];
+            for (int g = 0; g < nh; g++) lo[g] = hi[g] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j += 2) {
+                if (slab == 0 && j + AHEAD + 1 < n) {
+                    prefetch_row(rows[j + AHEAD], d * 2);
+                    prefetch_row(rows[j + AHEAD + 1], d * 2);
+                }
+                const char* r1 = j + 1 < n ? rows[j + 1] : (const char*)zero_row;
+                const __m512i a = _mm512_loadu_si512((const void*)(rows[j] + slab * 2));
+                const __m512i b = _mm512_loadu_si512((const void*)(r1 + slab * 2));
+                const __m512bh plo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                const __m512bh phi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                for (int g = 0; g < nh; g++) {
+                    const float* wg = w + (g0 + g) * stride;
+                    uint32_t p0, p1 = 0;
+                    memcpy(&p0, wg + j, 4);
+                    if (j + 1 < n) memcpy(&p1, wg + j + 1, 4);
+                    const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)((p1 & 0xffff0000u) | (p0 >> 16)));
+                    lo[g] = _mm512_dpbf16_ps(lo[g], plo, pw);
+                    hi[g] = _mm512_dpbf16_ps(hi[g], phi, pw);
+                }
+            }
+            for (int g = 0; g < nh; g++) {
+                float l[16], h[16];
+                _mm512_storeu_ps(l, lo[g]);
+                _mm512_storeu_ps(h, hi[g]);
+                float* out = acc + (g0 + g) * d + slab;
+                for (int i = 0; i < 16; i++) {
+                    out[8 * (i / 4) + i % 4] += l[i];
+                    out[8 * (i / 4) + 4 + i % 4] += h[i];
+                }
+            }
+        }
+    }
+}
+#endif
 
 // One (sequence, KV head)'s cached keys and values for a constant kind (after inlining) and
 // head count: the scores of the first n keys into scores [group, len], the weighted values
@@ -409,7 +519,12 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
     }
     // values
     memset(acc, 0, sizeof(float) * group * d);
-    sum_cached(w, len, vrows, n, kind, group, acc, d);
+#ifdef __AVX512BF16__
+    if (kind == KV_BF16 && !x_f32 && d % 32 == 0 && d <= 512)  // w: bf16 probabilities
+        pair_values(w, len, vrows, n, group, acc, d);
+    else
+#endif
+        sum_cached(w, len, vrows, n, kind, group, acc, d);
     if (n < len) {  // the newest token's tail value
         const char* fresh = (const char*)newv;
         sum_cached(w + n, len, &fresh, 1, KV_F32, group, acc, d);
