@@ -45,3 +45,22 @@ class AttentionBackend(Protocol):
         """One layer: write_kv of k / v's real tokens, then forward (this step's K/V passed
         where the cache has an exact tail). A backend may fuse the two (a model calls this)."""
         ...
+
+
+def write_then_attend(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """write_and_attend unfused: write_kv of the real tokens, then forward (this step's K/V
+    passed where the cache has an exact tail)."""
+    n = meta.num_real_tokens
+    k_new, v_new = k[:n], v[:n]
+    backend.write_kv(cache, k_new, v_new, meta.slot_mapping)
+    if cache.kv_tail is None:
+        return backend.forward(q, cache, meta, scale)
+    return backend.forward(q, cache, meta, scale, k_new=k_new, v_new=v_new)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from infer8.attention import exact_tail, tail_prefill
+from infer8.attention.backend import write_then_attend
 from infer8.attention.cpu_native import NativeFP8Gather
 from infer8.attention.metadata import AttentionMetadata
 from infer8.attention.split_prefill import KeyRange, split_prefill_attention
@@ -189,11 +190,7 @@ class TorchRefAttention:
                 q, k, v, cache, meta.slot_mapping, meta.decode_block_tables,
                 meta.decode_seq_lens, scale, tail,
             )  # fmt: skip
-        k_new, v_new = k[:n], v[:n]
-        self.write_kv(cache, k_new, v_new, meta.slot_mapping)
-        if cache.kv_tail is None:
-            return self.forward(q, cache, meta, scale)
-        return self.forward(q, cache, meta, scale, k_new=k_new, v_new=v_new)
+        return write_then_attend(self, q, k, v, cache, meta, scale)
 
     def _buffer(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

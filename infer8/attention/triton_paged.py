@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from infer8.attention.backend import write_then_attend
 from infer8.attention.exact_tail import rotate
 from infer8.attention.metadata import AttentionMetadata
 from infer8.attention.triton_fp8 import X_MODES, grid_constants, write_kv_kernel
@@ -428,12 +429,7 @@ class TritonAttention:
         scale: float,
     ) -> torch.Tensor:
         """write_kv of the real tokens, then forward (this step's K/V where there is a tail)."""
-        n = meta.num_real_tokens
-        k_new, v_new = k[:n], v[:n]
-        write_kv(cache, k_new, v_new, meta.slot_mapping)
-        if cache.kv_tail is None:
-            return self.forward(q, cache, meta, scale)
-        return self.forward(q, cache, meta, scale, k_new=k_new, v_new=v_new)
+        return write_then_attend(self, q, k, v, cache, meta, scale)
 
     def forward(
         self,

@@ -200,6 +200,16 @@ def test_write_rows_stores_what_index_copy_stores(
     assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
 
 
+def _backends_counting_fused_calls() -> tuple[TorchRefAttention, TorchRefAttention, list[int]]:
+    """Return two native backends and the list the second's decode_layer calls append to."""
+    ref, fused = TorchRefAttention(use_native=True), TorchRefAttention(use_native=True)
+    assert fused._native is not None
+    calls: list[int] = []
+    layer = fused._native.decode_layer
+    fused._native.decode_layer = lambda *a, **k: calls.append(1) or layer(*a, **k)  # type: ignore[method-assign]
+    return ref, fused, calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hadamard", [True, False])
 def test_decode_layer_is_the_write_then_the_attention_bit_for_bit(
@@ -209,11 +219,7 @@ def test_decode_layer_is_the_write_then_the_attention_bit_for_bit(
     attention, rings) leaves the same cache and store and returns the same output, bit for bit,
     as the native path's separate calls; other steps take those calls."""
     torch.manual_seed(0)
-    ref, fused = TorchRefAttention(use_native=True), TorchRefAttention(use_native=True)
-    assert fused._native is not None
-    calls = []
-    layer = fused._native.decode_layer
-    fused._native.decode_layer = lambda *a, **k: calls.append(1) or layer(*a, **k)  # type: ignore[method-assign]
+    ref, fused, calls = _backends_counting_fused_calls()
     cpu = torch.device("cpu")
     for step, got, want, got_cache, want_cache in run_schedule(
         ref, fused, dtype, hadamard, cpu, fused=True
@@ -239,11 +245,7 @@ def test_decode_layer_without_a_tail_matches_the_separate_calls(
     q / k / v split from one projection as the model splits them (one row: dim 0's strides
     differ, and the fused path still runs)."""
     torch.manual_seed(1)
-    ref, fused = TorchRefAttention(use_native=True), TorchRefAttention(use_native=True)
-    assert fused._native is not None
-    calls = []
-    layer = fused._native.decode_layer
-    fused._native.decode_layer = lambda *a, **k: calls.append(1) or layer(*a, **k)  # type: ignore[method-assign]
+    ref, fused, calls = _backends_counting_fused_calls()
     kvh, group, d, bs = 3, 3, 64, 16
     dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
     cpu = torch.device("cpu")
