@@ -365,15 +365,21 @@ class NativeFP8Gather:
         return out
 
     @staticmethod
-    def decode_layer_supported(cache: LayerKVCache, q: torch.Tensor) -> bool:
-        """Return whether decode_layer runs this cache and these queries: the decode kernel's
-        conditions, dynamic scales (no calibration), head_dim <= 512."""
+    def decode_layer_supported(
+        cache: LayerKVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> bool:
+        """Return whether decode_layer runs this cache and these rows: the decode kernel's
+        conditions, dynamic scales (no calibration), head_dim <= 512, q / k / v rows of d
+        (k and v at one token stride; a single row's dim 0 stride is never read)."""
         d = cache.k.shape[-1]
         return (
             NativeFP8Gather.decode_supported(cache, q.dtype)
             and cache.k_amax is None
             and d <= 512
             and (cache.k_rotation is None or d & (d - 1) == 0)
+            and q.stride(-1) == k.stride(-1) == 1
+            and q.stride(1) == k.stride(1) == d
+            and (k.stride() == v.stride() or k.shape[0] == 1)
         )
 
     def decode_layer(
@@ -395,12 +401,10 @@ class NativeFP8Gather:
         welcome); the cache's rotation, FP8 write and exact tail (`tail`: this step's, with the
         cache's store) as the torch reference applies them. Returns [B, H, d].
         """
-        assert self.decode_layer_supported(cache, q) and cache.k.is_contiguous()
+        assert self.decode_layer_supported(cache, q, k, v) and cache.k.is_contiguous()
         b, num_heads, d = q.shape
         num_kv_heads, num_blocks, block_size, _ = cache.k.shape
         assert k.shape == v.shape == (b, num_kv_heads, d) and q.dtype == k.dtype == v.dtype
-        assert q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == d
-        assert v.stride() == k.stride() or b == 1  # one row: dim 0's stride is never read
         table, lens = block_table.contiguous(), seq_lens.contiguous()
         slots = slot_mapping.contiguous()
         assert table.dtype == lens.dtype == slots.dtype == torch.int64

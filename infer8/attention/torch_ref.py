@@ -121,16 +121,16 @@ class TorchRefAttention:
         if cache.k_amax is not None:  # calibration: per-channel running amax
             torch.maximum(cache.k_amax, k.abs().amax(dim=0).float(), out=cache.k_amax)
             torch.maximum(cache.v_amax, v.abs().amax(dim=0).float(), out=cache.v_amax)
-        k_flat = cache.k.view(num_kv_heads, -1, head_dim)  # [kvh, num_slots, d]
-        v_flat = cache.v.view(num_kv_heads, -1, head_dim)
-        native_rows = (torch.bfloat16, torch.float32)
-        if cache.k_scale is None and self._native is not None and cache.k.device.type == "cpu":
-            if k.dtype in native_rows and cache.k.dtype in native_rows:
+        kernels = self._native if cache.k.device.type == "cpu" else None
+        if kernels is not None and cache.k_scale is None:
+            if kernels.elementwise_supported(cache.k) and kernels.elementwise_supported(k):
                 # one pass from the projection's strided rows: index_copy_ took 3 ms per
                 # tensor for a 4,096-token bf16 step
-                self._native.write_rows(k, slot_mapping, cache.k)
-                self._native.write_rows(v, slot_mapping, cache.v)
+                kernels.write_rows(k, slot_mapping, cache.k)
+                kernels.write_rows(v, slot_mapping, cache.v)
                 return
+        k_flat = cache.k.view(num_kv_heads, -1, head_dim)  # [kvh, num_slots, d]
+        v_flat = cache.v.view(num_kv_heads, -1, head_dim)
         if cache.k_scale is None:
             # index_copy_ rather than `flat[:, slots] = ...` (index_put): 207 vs 303 us for a
             # 2,048-token chunk on the reference CPU, the same values
@@ -138,12 +138,15 @@ class TorchRefAttention:
             v_flat.index_copy_(1, slot_mapping, v.transpose(0, 1).to(cache.v.dtype))
             return
         dtype = cache.k.dtype
-        native = self._native is not None and cache.k.device.type == "cpu"
-        if native and cache.k_static_scale is None and k.dtype in (torch.bfloat16, torch.float32):
-            assert self._native is not None and cache.v_scale is not None
+        if (
+            kernels is not None
+            and cache.k_static_scale is None
+            and k.dtype in (torch.bfloat16, torch.float32)
+        ):
+            assert cache.v_scale is not None
             # one pass per tensor: scale, quantize, store (~15 small torch ops otherwise)
-            self._native.write_fp8(k, slot_mapping, cache.k, cache.k_scale)
-            self._native.write_fp8(v, slot_mapping, cache.v, cache.v_scale)
+            kernels.write_fp8(k, slot_mapping, cache.k, cache.k_scale)
+            kernels.write_fp8(v, slot_mapping, cache.v, cache.v_scale)
             return
         for x, flat, scale_store, static in (
             (k, k_flat, cache.k_scale, cache.k_static_scale),
@@ -181,10 +184,7 @@ class TorchRefAttention:
             native is not None
             and not meta.prefill_seq_ids
             and len(meta.decode_seq_ids) == n == q.shape[0]
-            and native.decode_layer_supported(cache, q)
-            and q.stride(1) == k.stride(1) == q.shape[-1]
-            and q.stride(-1) == k.stride(-1) == 1
-            and (k.stride() == v.stride() or k.shape[0] == 1)  # one row: dim 0's stride unused
+            and native.decode_layer_supported(cache, q, k, v)
         ):
             return native.decode_layer(
                 q, k, v, cache, meta.slot_mapping, meta.decode_block_tables,
