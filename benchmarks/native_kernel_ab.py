@@ -57,22 +57,26 @@ def base_library(rev: str, out: Path) -> Path:
         cpu_native._SOURCES = saved
 
 
-def kernel(libs: dict[str, cpu_native.NativeFP8Gather], calls: int) -> None:
+def kernel(libs: dict[str, cpu_native.NativeFP8Gather], calls: int, dtype: str) -> None:
+    """Kernel mode: float32 queries and cache, or (--dtype bfloat16 / auto) bf16 ones, and an
+    E4M3 cache read by the same queries."""
     torch.manual_seed(0)
+    q_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     kvh, group, d, bs = 3, 3, 64, 16
     evict = torch.ones(16 << 20)
     cpu = torch.device("cpu")
     for batch, ctx in ((32, 170), (8, 2100), (32, 2100)):
-        for dtype in (torch.float32, torch.float8_e4m3fn):
+        for cache_dtype in (q_dtype, torch.float8_e4m3fn):
             num_blocks = batch * -(-ctx // bs) + 1
-            cache = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, dtype), num_blocks, cpu)[0]
+            spec = KVCacheSpec(1, kvh, d, bs, cache_dtype)
+            cache = allocate_kv_cache(spec, num_blocks, cpu)[0]
             ids = list(range(1, num_blocks))
             blocks = [ids[i * -(-ctx // bs) : (i + 1) * -(-ctx // bs)] for i in range(batch)]
             full = build_attention_metadata([ctx] * batch, [0] * batch, blocks, bs, cpu)
-            k = torch.randn(full.num_real_tokens, kvh, d)
+            k = torch.randn(full.num_real_tokens, kvh, d, dtype=q_dtype)
             TorchRefAttention().write_kv(cache, k, torch.randn_like(k), full.slot_mapping)
             meta = build_attention_metadata([1] * batch, [ctx - 1] * batch, blocks, bs, cpu)
-            q = torch.randn(batch, kvh * group, d)
+            q = torch.randn(batch, kvh * group, d, dtype=q_dtype)
             lens = torch.full((batch,), ctx)
             times: dict[str, list[float]] = {name: [] for name in libs}
             for _ in range(calls):
@@ -83,7 +87,8 @@ def kernel(libs: dict[str, cpu_native.NativeFP8Gather], calls: int) -> None:
                     times[name].append(time.perf_counter() - t0)
             base, head = (statistics.median(times[n]) * 1e3 for n in ("base", "head"))
             print(
-                f"batch {batch}, context {ctx}, {str(dtype)[6:]} cache: base {base:.3f} ms, "
+                f"batch {batch}, context {ctx}, {str(cache_dtype)[6:]} cache, {str(q_dtype)[6:]} "
+                f"queries: base {base:.3f} ms, "
                 f"this tree {head:.3f} ms per layer ({head / base:.2f}x)"
             )
 
@@ -164,7 +169,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--calls", type=int, default=60)
-    p.add_argument("--dtype", default="float32", help="engine mode's compute dtype")
+    p.add_argument("--dtype", default="float32", help="compute dtype (queries; engine mode)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = base_library(args.base, Path(tmp))
@@ -177,7 +182,7 @@ def main() -> None:
         if args.engine:
             engine_steps(libs, args.batch, args.prompt_len, args.steps, args.dtype)
         else:
-            kernel(libs, args.calls)
+            kernel(libs, args.calls, args.dtype)
 
 
 if __name__ == "__main__":

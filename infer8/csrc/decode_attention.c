@@ -9,7 +9,10 @@
 // output. Built with the other native kernels (cpu_native.py); GCC vector extensions, so the
 // same source vectorizes for AVX2, AVX-512 or NEON; with AVX512-BF16, a bf16 cache read by bf16
 // queries takes the bf16 dot-product instruction for scores and values (exact products, another
-// summation order).
+// summation order), and so do an E4M3 cache's scores (its codes turned into bf16 exactly); with
+// AVX-512, E4M3 values are summed 16 lanes at a time (the same sums). An FP8 cache's per-token
+// scales are requested for all of a task's blocks before they are read (each block's are a line
+// of their own, one memory latency each when read in turn).
 
 #include <math.h>
 #if defined(__F16C__) || defined(__AVX__)
@@ -164,6 +167,25 @@ static inline __attribute__((always_inline)) void value_tile(
 }
 
 #ifdef __AVX512BF16__
+// The 16-lane accumulators of a bf16 dot tile as dots[g][k].
+static inline __attribute__((always_inline)) void fold_dots(
+    __m512 acc[MAX_HEADS][MAX_KEYS], int nh, int kj, float dots[MAX_HEADS][MAX_KEYS]) {
+    for (int g = 0; g < nh; g++) {
+        if (kj == MAX_KEYS) {  // 16 lanes folded to 8, then the 4-key horizontal sums
+            v8f h[MAX_KEYS];
+            for (int k = 0; k < MAX_KEYS; k++) {
+                const __m256 hi =
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[g][k]), 1));
+                __m256 s = _mm256_add_ps(_mm512_castps512_ps256(acc[g][k]), hi);
+                memcpy(&h[k], &s, 32);
+            }
+            hsum4(h[0], h[1], h[2], h[3], dots[g]);
+        } else {
+            for (int k = 0; k < kj; k++) dots[g][k] = _mm512_reduce_add_ps(acc[g][k]);
+        }
+    }
+}
+
 // dot_tile for a bf16 cache and bf16 queries (qb: [nh][d] bf16 bits, d a multiple of 32) with
 // AVX512-BF16: each instruction multiplies 32 bf16 pairs exactly and adds them into 16 float32
 // lanes, where dot_tile widens both to float32 and takes 8 FMAs per 64 dims. The same products,
@@ -183,20 +205,43 @@ static inline __attribute__((always_inline)) void dot_tile_bf16(
             for (int k = 0; k < kj; k++) acc[g][k] = _mm512_dpbf16_ps(acc[g][k], qv, kv[k]);
         }
     }
-    for (int g = 0; g < nh; g++) {
-        if (kj == MAX_KEYS) {  // 16 lanes folded to 8, then the 4-key horizontal sums
-            v8f h[MAX_KEYS];
-            for (int k = 0; k < MAX_KEYS; k++) {
-                const __m256 hi =
-                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[g][k]), 1));
-                __m256 s = _mm256_add_ps(_mm512_castps512_ps256(acc[g][k]), hi);
-                memcpy(&h[k], &s, 32);
-            }
-            hsum4(h[0], h[1], h[2], h[3], dots[g]);
-        } else {
-            for (int k = 0; k < kj; k++) dots[g][k] = _mm512_reduce_add_ps(acc[g][k]);
+    fold_dots(acc, nh, kj, dots);
+}
+
+// 32 E4M3 values / 256 as bf16 bits, exactly: a normal's exponent and mantissa fields shifted
+// into bf16's (bias 127 - 7 - 8 = 112), a subnormal (exponent field 0: m * 2^-9 / 256) from a
+// table of the 8 (vpermw reads the low 5 bits, which are m there), the sign moved to bit 15.
+// E4M3's NaN (0x7f) reads as 1.875 as in load8_as (the cache writes saturate: no NaN is stored).
+static inline __m512bh e4m3x32_as_bf16(const uint8_t* src) {
+    const __m512i sub_table = _mm512_set_epi16(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0x3860, 0x3840, 0x3820, 0x3800, 0x37c0, 0x3780, 0x3700, 0);
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)src));
+    __m512i r = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x7f0)),
+                                 _mm512_set1_epi16(112 << 7));
+    const __mmask32 sub = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78));
+    r = _mm512_mask_permutexvar_epi16(r, sub, x, sub_table);
+    r = _mm512_or_si512(r, _mm512_and_si512(_mm512_slli_epi16(x, 8), _mm512_set1_epi16((short)0x8000)));
+    return (__m512bh)r;
+}
+
+// dot_tile_bf16 for an E4M3 cache (rows widened as value / 256, as dot_tile's e4m3_raw): each
+// 32 key values turned into bf16 once for all heads, then the bf16 dot-product instruction.
+static inline __attribute__((always_inline)) void dot_tile_e4m3_bf16(
+    const uint16_t* qb, int64_t d, const char* const* rows, int nh, int kj,
+    float dots[MAX_HEADS][MAX_KEYS]) {
+    __m512 acc[MAX_HEADS][MAX_KEYS];
+    for (int g = 0; g < nh; g++)
+        for (int k = 0; k < kj; k++) acc[g][k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32) {
+        __m512bh kv[MAX_KEYS];
+        for (int k = 0; k < kj; k++) kv[k] = e4m3x32_as_bf16((const uint8_t*)rows[k] + i);
+        for (int g = 0; g < nh; g++) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(qb + g * d + i));
+            for (int k = 0; k < kj; k++) acc[g][k] = _mm512_dpbf16_ps(acc[g][k], qv, kv[k]);
         }
     }
+    fold_dots(acc, nh, kj, dots);
 }
 #endif
 
@@ -210,7 +255,7 @@ static inline __attribute__((always_inline)) void score_keys(
 #ifdef __AVX512BF16__
     // bf16 queries (their float values are bf16's) against a bf16 cache: the bf16 dot products
     uint16_t qb[MAX_HEADS * 512];
-    const int paired = kind == KV_BF16 && !x_f32 && d % 32 == 0 && d <= 512;
+    const int paired = (kind == KV_BF16 || kind == KV_E4M3) && !x_f32 && d % 32 == 0 && d <= 512;
     if (paired)
         for (int64_t i = 0; i < nh * d; i++) {
             uint32_t bits;
@@ -219,8 +264,10 @@ static inline __attribute__((always_inline)) void score_keys(
         }
 #define DOT_TILE(R, KJ)                                             \
     do {                                                            \
-        if (paired)                                                 \
+        if (paired && kind == KV_BF16)                              \
             dot_tile_bf16(qb, d, R, nh, KJ, dots);                  \
+        else if (paired)                                            \
+            dot_tile_e4m3_bf16(qb, d, R, nh, KJ, dots);             \
         else                                                        \
             dot_tile(qf, d, R, kind, nh, KJ, dots);                 \
     } while (0)
@@ -324,6 +371,63 @@ static void pair_values(const float* w, int64_t stride, const char* const* rows,
 }
 #endif
 
+#ifdef __AVX512F__
+// sum_values for an E4M3 cache with 16-lane registers and every dim of a row in one pass (d =
+// 16 NC, NH x NC accumulators): 16 codes widened at once (value / 256 through F16C, as
+// load8_as), the same FMAs per dim in the same row order as value_tile: bit for bit its sums.
+static inline __attribute__((always_inline)) void e4m3_values_tile(
+    const float* w, int64_t stride, const char* const* rows, int64_t n, int nh, int nc,
+    float* acc, int64_t d) {
+    __m512 a[MAX_HEADS][8];
+    for (int g = 0; g < nh; g++)
+        for (int c = 0; c < nc; c++) a[g][c] = _mm512_loadu_ps(acc + g * d + 16 * c);
+    const __m256i low7 = _mm256_set1_epi16(0x7f), sign = _mm256_set1_epi16(0x80);
+    for (int64_t j = 0; j < n; j++) {
+        if (j + AHEAD < n) prefetch_row(rows[j + AHEAD], d);
+        __m512 vv[8];
+        for (int c = 0; c < nc; c++) {
+            const __m256i h = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128((const __m128i*)((const uint8_t*)rows[j] + 16 * c)));
+            const __m256i f16 = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, sign), 8),
+                                                _mm256_slli_epi16(_mm256_and_si256(h, low7), 7));
+            vv[c] = _mm512_cvtph_ps(f16);
+        }
+        for (int g = 0; g < nh; g++) {
+            const __m512 p = _mm512_set1_ps(w[g * stride + j]);
+            for (int c = 0; c < nc; c++) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
+        }
+    }
+    for (int g = 0; g < nh; g++)
+        for (int c = 0; c < nc; c++) _mm512_storeu_ps(acc + g * d + 16 * c, a[g][c]);
+}
+
+// e4m3_values_tile for d = 64 or 128 (the common head dims), or 0 where it does not apply.
+static inline int e4m3_values(const float* w, int64_t stride, const char* const* rows, int64_t n,
+                              int64_t group, float* acc, int64_t d) {
+    if (d != 64 && d != 128) return 0;
+    for (int64_t g0 = 0; g0 < group; g0 += MAX_HEADS) {
+        const int nh = group - g0 < MAX_HEADS ? (int)(group - g0) : MAX_HEADS;
+#define E4M3_VALUES(NH, NC) \
+    e4m3_values_tile(w + g0 * stride, stride, rows, n, NH, NC, acc + g0 * d, d)
+        if (d == 64) {
+            switch (nh) {
+                case 1: E4M3_VALUES(1, 4); break;
+                case 2: E4M3_VALUES(2, 4); break;
+                default: E4M3_VALUES(3, 4); break;
+            }
+        } else {
+            switch (nh) {
+                case 1: E4M3_VALUES(1, 8); break;
+                case 2: E4M3_VALUES(2, 8); break;
+                default: E4M3_VALUES(3, 8); break;
+            }
+        }
+#undef E4M3_VALUES
+    }
+    return 1;
+}
+#endif
+
 // One (sequence, KV head)'s cached keys and values for a constant kind (after inlining) and
 // head count: the scores of the first n keys into scores [group, len], the weighted values
 // (weights `w`, scaled probabilities) into acc.
@@ -372,6 +476,9 @@ static void score_cached(const float* qf, int64_t d, const char* const* rows,
 
 static void sum_cached(const float* w, int64_t stride, const char* const* rows, int64_t n,
                        int kind, int64_t group, float* acc, int64_t d) {
+#ifdef __AVX512F__
+    if (kind == KV_E4M3 && e4m3_values(w, stride, rows, n, group, acc, d)) return;
+#endif
     switch (kind) {
         case KV_F32: values_all(w, stride, rows, n, KV_F32, group, acc, d); break;
         case KV_BF16: values_all(w, stride, rows, n, KV_BF16, group, acc, d); break;
@@ -430,14 +537,19 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
         const int64_t vat = ((p->num_kv_heads + h) * p->seats + seat) * p->stride + t % p->stride;
         tkrows[nt] = (const char*)(p->store + kat * d);
         tvrows[nt] = (const char*)(p->store + vat * d);
-        // widened as value / 256 (load8_as): the exact 256 goes into the scale
-        tks[nt] = bf16_to_f32(p->store_scale[kat]) * 256.0f;
-        tvs[nt] = bf16_to_f32(p->store_scale[vat]) * 256.0f;
+        __builtin_prefetch(p->store_scale + kat);
+        __builtin_prefetch(p->store_scale + vat);
         tpos[nt++] = p->pos[b * width + t];
     }
     const int64_t* trow = p->table + b * p->table_stride;
     // E4M3 rows are widened as value / 256 (load8_as): the exact 256 goes into the scale
     const float unit = kind == KV_E4M3 ? 256.0f : 1.0f;
+    if (is_fp8)  // each block's scales are a line of their own: all requested before the reads
+        for (int64_t j0 = 0; j0 < n; j0 += p->block_size) {
+            const int64_t first = (h * p->num_blocks + trow[j0 / p->block_size]) * p->block_size;
+            __builtin_prefetch(p->k_scale + first);
+            __builtin_prefetch(p->v_scale + first);
+        }
     for (int64_t j0 = 0; j0 < n; j0 += p->block_size) {
         const int64_t first = (h * p->num_blocks + trow[j0 / p->block_size]) * p->block_size;
         const int64_t stop = n - j0 < p->block_size ? n - j0 : p->block_size;
@@ -450,6 +562,11 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
         }
     }
     for (int64_t j = n; j < len; j++) vs[j] = 1.0f;  // the newest token's tail value
+    for (int64_t i = 0; i < nt; i++) {  // the tail's scales, requested above (row i's at
+        // the row's index in the store); E4M3 is widened as value / 256: 256 in the scale
+        tks[i] = bf16_to_f32(p->store_scale[(tkrows[i] - (const char*)p->store) / d]) * 256.0f;
+        tvs[i] = bf16_to_f32(p->store_scale[(tvrows[i] - (const char*)p->store) / d]) * 256.0f;
+    }
     const float sm_scale = p->sm_scale;
     // scores (the value rows are requested while the keys are scored)
     score_cached(qf, d, krows, ks, n, kind, group, x_f32, sm_scale, scores, len, vrows);

@@ -162,6 +162,35 @@ def test_decode_attention_matches_the_torch_decode(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_scores_every_e4m3_code_as_the_torch_path_does(
+    native: NativeFP8Gather, dtype: torch.dtype
+) -> None:
+    """Each finite E4M3 code, subnormals and signs included, as a whole key row (unit scale)
+    against a zero key: the second key's probability is sigmoid(its score), its query scaled so
+    that the score is 0.5-2 in magnitude, so a code read as another value moves it by > 0.05.
+    bf16 queries take the AVX512-BF16 path where the CPU has it (codes turned into bf16)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[torch.isfinite(codes.float()) & (codes.float() != 0)]
+    n, d, bs = codes.numel(), 64, 16
+    spec = KVCacheSpec(1, 1, d, bs, torch.float8_e4m3fn)
+    cache = allocate_kv_cache(spec, n + 1, torch.device("cpu"))[0]
+    cache.k[0, 1:, 1] = codes[:, None]  # block b + 1: a zero key, then code b's row
+    cache.v[0, 1:, 1] = torch.ones((), dtype=torch.float8_e4m3fn)  # the second value: ones
+    cache.k_scale.fill_(1.0)
+    cache.v_scale.fill_(1.0)
+    log_score = torch.log2(codes.float().abs() * d * d**-0.5)  # of a unit query
+    q = (2.0 ** -torch.round(log_score))[:, None, None].expand(n, 1, d).to(dtype)
+    table = torch.arange(1, n + 1)[:, None]
+    seq_lens = torch.full((n,), 2)
+    meta = build_attention_metadata([1] * n, [1] * n, table.tolist(), bs, torch.device("cpu"))
+    want = TorchRefAttention().forward(q, cache, meta, d**-0.5)
+    got = native.decode_attention(q, cache, table, seq_lens, d**-0.5)
+    p = torch.sigmoid(codes.float().sign() * 2.0 ** (log_score - torch.round(log_score)))
+    assert (got.float()[:, 0] - p[:, None]).abs().max() < 0.01
+    assert (got.float() - want.float()).abs().max() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_reads_the_exact_tail_as_the_torch_path_does(dtype: torch.dtype) -> None:
     """The whole native path (write, tail residuals, fused decode reading the residual store
     in place) against the torch one."""
