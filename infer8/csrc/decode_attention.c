@@ -530,15 +530,20 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
     const char** tvrows = tkrows + width;
     int64_t* tpos = (int64_t*)(tvrows + width);
     int64_t nt = 0;  // valid tail positions
-    for (int64_t t = 0; t < width; t++) {
+    // position t is at offset t % stride of store row read_rows[(b * width + t) / stride]
+    // (width a multiple of stride): counted along, not divided per position
+    for (int64_t t = 0, row = width > 0 ? b * width / p->stride : 0, off = 0; t < width;
+         t++, off = off + 1 == p->stride ? 0 : off + 1, row += off == 0) {
         if (p->valid[b * width + t] == 0.0f) continue;
-        const int64_t seat = p->read_rows[(b * width + t) / p->stride];
-        const int64_t kat = (h * p->seats + seat) * p->stride + t % p->stride;
-        const int64_t vat = ((p->num_kv_heads + h) * p->seats + seat) * p->stride + t % p->stride;
+        const int64_t seat = p->read_rows[row];
+        const int64_t kat = (h * p->seats + seat) * p->stride + off;
+        const int64_t vat = ((p->num_kv_heads + h) * p->seats + seat) * p->stride + off;
         tkrows[nt] = (const char*)(p->store + kat * d);
         tvrows[nt] = (const char*)(p->store + vat * d);
         __builtin_prefetch(p->store_scale + kat);
         __builtin_prefetch(p->store_scale + vat);
+        prefetch_row(tkrows[nt], d);  // read after the cached keys: in cache by then
+        prefetch_row(tvrows[nt], d);
         tpos[nt++] = p->pos[b * width + t];
     }
     const int64_t* trow = p->table + b * p->table_stride;
