@@ -12,12 +12,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 
 logger = logging.getLogger(__name__)
 
 _M_ARENA_MAX = -8  # mallopt parameter numbers in glibc's malloc.h
 _M_MMAP_MAX = -4
 _M_TRIM_THRESHOLD = -1
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (asm-generic/mman-common.h)
 
 
 class HostMemory:
@@ -32,9 +34,11 @@ class HostMemory:
             libc = ctypes.CDLL(name)
             libc.malloc_trim  # noqa: B018 - probe: glibc has it, musl and macOS do not
             libc.mallopt  # noqa: B018
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         except (OSError, AttributeError):
             return
         self._libc = libc
+        self._page = mmap.PAGESIZE
 
     @property
     def is_available(self) -> bool:
@@ -70,3 +74,14 @@ class HostMemory:
     def trim(self) -> bool:
         """Return freed heap pages to the OS; True if any were released."""
         return bool(self._libc is not None and self._libc.malloc_trim(0))
+
+    def populate(self, address: int, nbytes: int) -> bool:
+        """Fault in the pages of [address, address + nbytes) of an anonymous mapping as a write
+        would, without changing what they hold (MADV_POPULATE_WRITE, Linux >= 5.14; the range
+        widened to whole pages). The GIL is released meanwhile. False where it is unavailable."""
+        if self._libc is None or nbytes <= 0:
+            return False
+        start = address - address % self._page
+        end = address + nbytes
+        end += -end % self._page
+        return self._libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
+import os
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from infer8.attention.exact_tail import RESIDUAL_DTYPE, hadamard
+from infer8.host_memory import HostMemory
 from infer8.quant import fp8
+
+logger = logging.getLogger(__name__)
+
+# Blocks faulted in per populate call and tensor head: 256 blocks of 1-2 KB per head
+POPULATE_BLOCKS = 256
 
 
 @dataclass(frozen=True)
@@ -153,3 +163,62 @@ def allocate_kv_cache(
             )
         )
     return layers
+
+
+def populate_kv_cache(caches: list[LayerKVCache], host: HostMemory) -> bool:
+    """Fault in the CPU cache's pages (zeros stay zeros, written slots keep their values), in
+    block order across all layers, as the block pool hands blocks out: a step's first write of a
+    block then finds its pages mapped. False where the kernel lacks MADV_POPULATE_WRITE.
+
+    A first write to a fresh page costs a fault (~1 us on bare metal, 7-18 us measured in this
+    VM, where the host backs the page too): W1 (64 x 128/128, bf16) ran 0.94x the time with the
+    cache faulted in first, its prefill steps 0.87x (`/tmp` run, engines stepped in turn).
+    """
+    return _populate(_cpu_tensors(caches), caches[0].k.shape[1] if caches else 0, host)
+
+
+def populate_in_background(caches: list[LayerKVCache]) -> threading.Thread | None:
+    """Run populate_kv_cache on a daemon thread at the lowest CPU priority (it takes a core
+    only when the engine leaves one idle). It holds the tensors weakly: a dropped engine's cache
+    is freed, and the thread stops. None where host memory cannot be populated."""
+    host = HostMemory()
+    refs = _cpu_tensors(caches)
+    if not host.is_available or not refs:
+        return None
+    num_blocks = caches[0].k.shape[1]
+
+    def run() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
+        except (OSError, AttributeError):
+            pass
+        if not _populate(refs, num_blocks, host):
+            logger.debug("KV cache populate stopped: cache dropped or no MADV_POPULATE_WRITE")
+
+    thread = threading.Thread(target=run, name="infer8-kv-populate", daemon=True)
+    thread.start()
+    return thread
+
+
+def _cpu_tensors(caches: list[LayerKVCache]) -> list[weakref.ref[torch.Tensor]]:
+    """Return weak references to the block tensors ([kvh, num_blocks, ...]) on CPU."""
+    return [
+        weakref.ref(t)
+        for c in caches
+        for t in (c.k, c.v, c.k_scale, c.v_scale)
+        if t is not None and t.device.type == "cpu"
+    ]
+
+
+def _populate(refs: list[weakref.ref[torch.Tensor]], num_blocks: int, host: HostMemory) -> bool:
+    for b0 in range(0, num_blocks, POPULATE_BLOCKS):
+        for ref in refs:
+            t = ref()
+            if t is None:
+                return False
+            for h in range(t.shape[0]):
+                span = t[h, b0 : b0 + POPULATE_BLOCKS]
+                if not host.populate(span.data_ptr(), span.numel() * span.element_size()):
+                    return False
+            del t, span
+    return True

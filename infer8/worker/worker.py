@@ -27,7 +27,12 @@ from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.models.loader import load_model
 from infer8.quant import fp8, kv_scales
 from infer8.worker.cpu_linear import pack_linear_layers, packing_applies, probe_packing
-from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
+from infer8.worker.kv_cache import (
+    KVCacheSpec,
+    LayerKVCache,
+    allocate_kv_cache,
+    populate_in_background,
+)
 from infer8.worker.memory import (
     CUDA_GRAPH_RESERVE_BYTES,
     GiB,
@@ -131,6 +136,8 @@ class Worker:
         self.kv_caches: list[LayerKVCache] = allocate_kv_cache(
             self.kv_spec, self.num_blocks, device, self.num_tail_rows
         )
+        # CPU: the cache maps lazily; its pages are faulted in ahead of use, in idle CPU time
+        self.kv_populate = populate_in_background(self.kv_caches)
         self.kv_scale_source = self._setup_kv_scales(ckpt_kv_scales)
         if self.is_driver:
             print(self._describe_kv_cache(), flush=True)

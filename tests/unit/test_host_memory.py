@@ -1,8 +1,11 @@
-"""Host memory on CPU: large blocks reused instead of mapped afresh, and a lazily mapped cache."""
+"""Host memory on CPU: large blocks reused instead of mapped afresh, and a lazily mapped cache
+whose pages are faulted in ahead of use without changing it."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import subprocess
 import sys
 
@@ -10,7 +13,13 @@ import pytest
 import torch
 
 from infer8.host_memory import HostMemory
-from infer8.worker.kv_cache import _zeros
+from infer8.worker.kv_cache import (
+    KVCacheSpec,
+    _zeros,
+    allocate_kv_cache,
+    populate_in_background,
+    populate_kv_cache,
+)
 
 # A fresh interpreter (mallopt is process-wide): is a 64 MB tensor inside the process heap
 # ([heap] in /proc/self/maps, where freed blocks are kept for reuse) or a mapping of its own
@@ -44,13 +53,25 @@ def test_large_blocks_come_from_the_heap() -> None:
     assert _in_heap("reuse")
 
 
-def test_cpu_cache_tensors_are_zero_and_mapped_on_first_write() -> None:
-    def rss() -> int:
-        for line in open("/proc/self/status"):
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no RssAnon")
+def _resident_pages(t: torch.Tensor) -> int:
+    """Return how many pages of t's (page-aligned) memory are resident (mincore)."""
+    libc = ctypes.CDLL(None)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    pages = -(-t.numel() * t.element_size() // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert t.data_ptr() % mmap.PAGESIZE == 0
+    assert libc.mincore(t.data_ptr(), pages * mmap.PAGESIZE, vec) == 0
+    return sum(v & 1 for v in vec)
 
+
+def rss() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon")
+
+
+def test_cpu_cache_tensors_are_zero_and_mapped_on_first_write() -> None:
     before = rss()
     t = _zeros((2, 4096, 16, 64), torch.float32, torch.device("cpu"))  # 32 MB
     assert rss() - before < (4 << 20)  # nothing committed yet
@@ -61,3 +82,36 @@ def test_cpu_cache_tensors_are_zero_and_mapped_on_first_write() -> None:
     view = t[0]
     del t
     assert view.sum().item() == 2048 * 16 * 64  # the mapping lives as long as a view does
+
+
+@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_populate_maps_the_whole_cache_and_keeps_what_it_holds(
+    dtype: torch.dtype, background: bool
+) -> None:
+    """MADV_POPULATE_WRITE faults every page of K, V (and FP8 scales) in; written slots keep
+    their values, the rest stay zero. Background: the same from the low-priority thread."""
+    cpu = torch.device("cpu")
+    spec = KVCacheSpec(3, 2, 64, 16, dtype)
+    caches = allocate_kv_cache(spec, 1000, cpu)  # 3 layers x 2 x 2 MB (bf16) + scales
+    caches[1].v[1, 700, 3] = 1.5
+    caches[2].k[0, 999, 15] = -2.0
+    if caches[0].k_scale is not None:
+        caches[0].k_scale[1, 5, 3] = 0.25
+    tensors = [t for c in caches for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None]
+    assert max(_resident_pages(t) for t in tensors) <= 1  # a written slot's page at most
+    if background:
+        thread = populate_in_background(caches)
+        assert thread is not None
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    else:
+        assert populate_kv_cache(caches, HostMemory())
+    for t in tensors:
+        assert _resident_pages(t) == -(-t.numel() * t.element_size() // mmap.PAGESIZE)
+    assert caches[1].v[1, 700, 3].float().eq(1.5).all()
+    assert caches[2].k[0, 999, 15].float().eq(-2.0).all()
+    assert caches[1].v.float().abs().sum() == 1.5 * 64 and caches[2].k.float().abs().sum() == 2 * 64
+    assert not caches[0].k.float().any() and not caches[2].v.float().any()
+    if caches[0].k_scale is not None:
+        assert caches[0].k_scale.float().sum() == 0.25 and not caches[0].v_scale.float().any()
