@@ -147,6 +147,9 @@ def dense_parts(
     s0, lo, num_quant = tail.bounds(seq_len)
     exact = []
     for x, res, x_new in zip((k, v), tail.residuals, tail.new):
+        if s0 == 0 and not sink_slots.numel():  # a fresh prompt: all of it this step's values
+            exact.append(x_new.transpose(0, 1).contiguous())
+            continue
         e = x.clone()
         if ring_slots.numel():
             e[:, lo:s0] += res[:, ring_slots]
