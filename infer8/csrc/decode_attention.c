@@ -186,28 +186,6 @@ static inline __attribute__((always_inline)) void fold_dots(
     }
 }
 
-// dot_tile for a bf16 cache and bf16 queries (qb: [nh][d] bf16 bits, d a multiple of 32) with
-// AVX512-BF16: each instruction multiplies 32 bf16 pairs exactly and adds them into 16 float32
-// lanes, where dot_tile widens both to float32 and takes 8 FMAs per 64 dims. The same products,
-// summed in another order (float32 rounding; the scores are then rounded to bf16 as before).
-static inline __attribute__((always_inline)) void dot_tile_bf16(
-    const uint16_t* qb, int64_t d, const char* const* rows, int nh, int kj,
-    float dots[MAX_HEADS][MAX_KEYS]) {
-    __m512 acc[MAX_HEADS][MAX_KEYS];
-    for (int g = 0; g < nh; g++)
-        for (int k = 0; k < kj; k++) acc[g][k] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 32) {
-        __m512bh kv[MAX_KEYS];
-        for (int k = 0; k < kj; k++)
-            kv[k] = (__m512bh)_mm512_loadu_si512((const void*)(rows[k] + i * 2));
-        for (int g = 0; g < nh; g++) {
-            const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(qb + g * d + i));
-            for (int k = 0; k < kj; k++) acc[g][k] = _mm512_dpbf16_ps(acc[g][k], qv, kv[k]);
-        }
-    }
-    fold_dots(acc, nh, kj, dots);
-}
-
 // 32 E4M3 values / 256 as bf16 bits, exactly: a normal's exponent and mantissa fields shifted
 // into bf16's (bias 127 - 7 - 8 = 112), a subnormal (exponent field 0: m * 2^-9 / 256) from a
 // table of the 8 (vpermw reads the low 5 bits, which are m there), the sign moved to bit 15.
@@ -225,17 +203,22 @@ static inline __m512bh e4m3x32_as_bf16(const uint8_t* src) {
     return (__m512bh)r;
 }
 
-// dot_tile_bf16 for an E4M3 cache (rows widened as value / 256, as dot_tile's e4m3_raw): each
-// 32 key values turned into bf16 once for all heads, then the bf16 dot-product instruction.
-static inline __attribute__((always_inline)) void dot_tile_e4m3_bf16(
-    const uint16_t* qb, int64_t d, const char* const* rows, int nh, int kj,
+// dot_tile for a bf16 cache (or an E4M3 one: `e4m3`, rows turned into bf16 as value / 256, as
+// dot_tile's e4m3_raw, once for all heads) and bf16 queries (qb: [nh][d] bf16 bits, d a multiple
+// of 32) with AVX512-BF16: each instruction multiplies 32 bf16 pairs exactly and adds them into
+// 16 float32 lanes, where dot_tile widens both to float32 and takes 8 FMAs per 64 dims. The same
+// products, summed in another order (float32 rounding; the scores then rounded as before).
+static inline __attribute__((always_inline)) void dot_tile_bf16(
+    const uint16_t* qb, int64_t d, const char* const* rows, int nh, int kj, int e4m3,
     float dots[MAX_HEADS][MAX_KEYS]) {
     __m512 acc[MAX_HEADS][MAX_KEYS];
     for (int g = 0; g < nh; g++)
         for (int k = 0; k < kj; k++) acc[g][k] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 32) {
         __m512bh kv[MAX_KEYS];
-        for (int k = 0; k < kj; k++) kv[k] = e4m3x32_as_bf16((const uint8_t*)rows[k] + i);
+        for (int k = 0; k < kj; k++)
+            kv[k] = e4m3 ? e4m3x32_as_bf16((const uint8_t*)rows[k] + i)
+                         : (__m512bh)_mm512_loadu_si512((const void*)(rows[k] + i * 2));
         for (int g = 0; g < nh; g++) {
             const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(qb + g * d + i));
             for (int k = 0; k < kj; k++) acc[g][k] = _mm512_dpbf16_ps(acc[g][k], qv, kv[k]);
@@ -264,10 +247,8 @@ static inline __attribute__((always_inline)) void score_keys(
         }
 #define DOT_TILE(R, KJ)                                             \
     do {                                                            \
-        if (paired && kind == KV_BF16)                              \
-            dot_tile_bf16(qb, d, R, nh, KJ, dots);                  \
-        else if (paired)                                            \
-            dot_tile_e4m3_bf16(qb, d, R, nh, KJ, dots);             \
+        if (paired)                                                 \
+            dot_tile_bf16(qb, d, R, nh, KJ, kind == KV_E4M3, dots); \
         else                                                        \
             dot_tile(qf, d, R, kind, nh, KJ, dots);                 \
     } while (0)
