@@ -234,7 +234,7 @@ def _block_spans(caches: list[LayerKVCache]) -> list[_BlockSpan]:
                         t.shape[0],
                         t.stride(0) * elem,
                         t.stride(1) * elem,
-                    )  # fmt: skip
+                    )
                 )
     return spans
 
