@@ -167,25 +167,6 @@ static inline __attribute__((always_inline)) void value_tile(
 }
 
 #ifdef __AVX512BF16__
-// The 16-lane accumulators of a bf16 dot tile as dots[g][k].
-static inline __attribute__((always_inline)) void fold_dots(
-    __m512 acc[MAX_HEADS][MAX_KEYS], int nh, int kj, float dots[MAX_HEADS][MAX_KEYS]) {
-    for (int g = 0; g < nh; g++) {
-        if (kj == MAX_KEYS) {  // 16 lanes folded to 8, then the 4-key horizontal sums
-            v8f h[MAX_KEYS];
-            for (int k = 0; k < MAX_KEYS; k++) {
-                const __m256 hi =
-                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[g][k]), 1));
-                __m256 s = _mm256_add_ps(_mm512_castps512_ps256(acc[g][k]), hi);
-                memcpy(&h[k], &s, 32);
-            }
-            hsum4(h[0], h[1], h[2], h[3], dots[g]);
-        } else {
-            for (int k = 0; k < kj; k++) dots[g][k] = _mm512_reduce_add_ps(acc[g][k]);
-        }
-    }
-}
-
 // 32 E4M3 values / 256 as bf16 bits, exactly: a normal's exponent and mantissa fields shifted
 // into bf16's (bias 127 - 7 - 8 = 112), a subnormal (exponent field 0: m * 2^-9 / 256) from a
 // table of the 8 (vpermw reads the low 5 bits, which are m there), the sign moved to bit 15.
@@ -224,7 +205,20 @@ static inline __attribute__((always_inline)) void dot_tile_bf16(
             for (int k = 0; k < kj; k++) acc[g][k] = _mm512_dpbf16_ps(acc[g][k], qv, kv[k]);
         }
     }
-    fold_dots(acc, nh, kj, dots);
+    for (int g = 0; g < nh; g++) {
+        if (kj == MAX_KEYS) {  // 16 lanes folded to 8, then the 4-key horizontal sums
+            v8f h[MAX_KEYS];
+            for (int k = 0; k < MAX_KEYS; k++) {
+                const __m256 hi =
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[g][k]), 1));
+                __m256 s = _mm256_add_ps(_mm512_castps512_ps256(acc[g][k]), hi);
+                memcpy(&h[k], &s, 32);
+            }
+            hsum4(h[0], h[1], h[2], h[3], dots[g]);
+        } else {
+            for (int k = 0; k < kj; k++) dots[g][k] = _mm512_reduce_add_ps(acc[g][k]);
+        }
+    }
 }
 #endif
 
@@ -496,7 +490,7 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
     const int64_t n = newk != NULL ? len - 1 : len;
     float* scores = malloc(sizeof(float) * (2 * group * len + 2 * len + 2 * width +
                                             2 * group * width) +
-                           sizeof(int64_t) * width + 2 * sizeof(const char*) * (len + width));
+                           3 * sizeof(int64_t) * width + 2 * sizeof(const char*) * (len + width));
     float* w = scores + group * len;  // probabilities times each value row's scale
     float* ks = w + group * len;      // per-row scales (1 unless FP8)
     float* vs = ks + len;
@@ -510,6 +504,8 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
     const char** tkrows = vrows + len;
     const char** tvrows = tkrows + width;
     int64_t* tpos = (int64_t*)(tvrows + width);
+    int64_t* tkat = tpos + width;  // the store slots of K's and V's residual rows
+    int64_t* tvat = tkat + width;
     int64_t nt = 0;  // valid tail positions
     // position t is at offset t % stride of store row read_rows[(b * width + t) / stride]
     // (width a multiple of stride): counted along, not divided per position
@@ -521,6 +517,8 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
         const int64_t vat = ((p->num_kv_heads + h) * p->seats + seat) * p->stride + off;
         tkrows[nt] = (const char*)(p->store + kat * d);
         tvrows[nt] = (const char*)(p->store + vat * d);
+        tkat[nt] = kat;
+        tvat[nt] = vat;
         __builtin_prefetch(p->store_scale + kat);
         __builtin_prefetch(p->store_scale + vat);
         prefetch_row(tkrows[nt], d);  // read after the cached keys: in cache by then
@@ -548,10 +546,10 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
         }
     }
     for (int64_t j = n; j < len; j++) vs[j] = 1.0f;  // the newest token's tail value
-    for (int64_t i = 0; i < nt; i++) {  // the tail's scales, requested above (row i's at
-        // the row's index in the store); E4M3 is widened as value / 256: 256 in the scale
-        tks[i] = bf16_to_f32(p->store_scale[(tkrows[i] - (const char*)p->store) / d]) * 256.0f;
-        tvs[i] = bf16_to_f32(p->store_scale[(tvrows[i] - (const char*)p->store) / d]) * 256.0f;
+    for (int64_t i = 0; i < nt; i++) {  // the tail's scales, requested above; E4M3 is
+        // widened as value / 256 (load8_as): the exact 256 goes into the scale
+        tks[i] = bf16_to_f32(p->store_scale[tkat[i]]) * 256.0f;
+        tvs[i] = bf16_to_f32(p->store_scale[tvat[i]]) * 256.0f;
     }
     const float sm_scale = p->sm_scale;
     // scores (the value rows are requested while the keys are scored)
