@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,7 @@ _SOURCES = (
 _HEADERS = (_CSRC / "simd.h",)  # included by the sources: part of the build's hash
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+_SCALE_PER_AMAX = {dt: fp8.SCALE_ROUND_UP / fp8.fp8_max(dt) for dt in fp8.FP8_DTYPES}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -123,6 +124,7 @@ class NativeFP8Gather:
                                i64, i64)  # fmt: skip
         self._ones: dict[int, torch.Tensor] = {}
         self._no_second = torch.zeros(0, dtype=torch.uint8)  # causal_attention: no second value
+        self._step_tail: tuple[Any, ...] | None = None  # decode_layer: (tail, its arguments)
 
     @classmethod
     def load(cls) -> NativeFP8Gather | None:
@@ -393,15 +395,18 @@ class NativeFP8Gather:
         seq_lens: torch.Tensor,
         scale: float,
         tail: TailMetadata | None,
+        checked: bool = False,
     ) -> torch.Tensor:
         """TorchRefAttention's write_kv then forward for an all-decode batch (token b is
         sequence b), in one native call (csrc/decode_attention.c: infer8_decode_layer).
 
         q [B, H, d], k / v [B, kvh, d]: rows of d (views of the fused projection's output
         welcome); the cache's rotation, FP8 write and exact tail (`tail`: this step's, with the
-        cache's store) as the torch reference applies them. Returns [B, H, d].
+        cache's store) as the torch reference applies them. Returns [B, H, d]. `checked`: the
+        caller has just seen decode_layer_supported hold (TorchRefAttention, each layer).
         """
-        assert self.decode_layer_supported(cache, q, k, v) and cache.k.is_contiguous()
+        assert checked or self.decode_layer_supported(cache, q, k, v)
+        assert cache.k.is_contiguous()
         b, num_heads, d = q.shape
         num_kv_heads, num_blocks, block_size, _ = cache.k.shape
         assert k.shape == v.shape == (b, num_kv_heads, d) and q.dtype == k.dtype == v.dtype
@@ -410,35 +415,50 @@ class NativeFP8Gather:
         assert table.dtype == lens.dtype == slots.dtype == torch.int64
         out = torch.empty((b, num_heads, d), dtype=q.dtype)
         fp8_cache = cache.k_scale is not None
-        per_amax = fp8.SCALE_ROUND_UP / fp8.fp8_max(cache.k.dtype) if fp8_cache else 0.0
-        e4m3_per_amax = fp8.SCALE_ROUND_UP / fp8.fp8_max(torch.float8_e4m3fn)
-        store = store_scale = read_rows = pos = valid = None
-        sinks = sink_slots = rings = ring_slots = None
-        seats = stride = width = num_sinks = num_rings = 0
+        per_amax = _SCALE_PER_AMAX[cache.k.dtype] if fp8_cache else 0.0
+        store = store_scale = None
+        tail_args: tuple[int | None, ...] = (None, 0, 0, None, None, 0)
+        sink_args: tuple[int | None, ...] = (None, None, 0, None, None, 0)
         if tail is not None:
             assert cache.kv_tail is not None and cache.kv_tail[0].is_contiguous()
             store, store_scale = cache.kv_tail
-            seats, stride, width = store.shape[1], store.shape[2], tail.decode_pos.shape[1]
-            parts = [t.contiguous() for t in (tail.read_rows, tail.decode_pos, tail.decode_valid,
-                     tail.sink_write_token_ids, tail.sink_write_slots, tail.write_token_ids,
-                     tail.write_slots)]  # fmt: skip
-            read_rows, pos, valid, sinks, sink_slots, rings, ring_slots = parts
-            num_sinks, num_rings = sinks.numel(), rings.numel()
+            tail_args, sink_args = self._tail_args(tail, store)
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
+        read_rows, seats, stride, pos, valid, width = tail_args
+        sinks, sink_slots, num_sinks, rings, ring_slots, num_rings = sink_args
         self._decode_layer(
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(),
             cache.k.data_ptr(), cache.v.data_ptr(), ptr(cache.k_scale), ptr(cache.v_scale),
             _KINDS[cache.k.dtype], table.data_ptr(), table.shape[1], lens.data_ptr(), b,
             num_kv_heads, num_heads // num_kv_heads, num_blocks, block_size, d, scale,
             int(q.dtype == torch.float32), int(cache.k_rotation is not None),
-            int(cache.rotate_values), per_amax, ptr(store), ptr(store_scale), ptr(read_rows),
-            seats, stride, ptr(pos), ptr(valid), width, e4m3_per_amax, ptr(sinks),
-            ptr(sink_slots), num_sinks, ptr(rings), ptr(ring_slots), num_rings, out.data_ptr(),
+            int(cache.rotate_values), per_amax, ptr(store), ptr(store_scale), read_rows,
+            seats, stride, pos, valid, width, _SCALE_PER_AMAX[torch.float8_e4m3fn], sinks,
+            sink_slots, num_sinks, rings, ring_slots, num_rings, out.data_ptr(),
         )  # fmt: skip
         return out
+
+    def _tail_args(
+        self, tail: TailMetadata, store: torch.Tensor
+    ) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
+        """decode_layer's arguments from a step's tail metadata: the same for every layer of
+        the step, so kept for the last `tail` seen (held, so its id is not reused)."""
+        if self._step_tail is not None and self._step_tail[0] is tail:
+            return self._step_tail[1], self._step_tail[2]
+        parts = [t.contiguous() for t in (tail.read_rows, tail.decode_pos, tail.decode_valid,
+                 tail.sink_write_token_ids, tail.sink_write_slots, tail.write_token_ids,
+                 tail.write_slots)]  # fmt: skip
+        read_rows, pos, valid, sinks, sink_slots, rings, ring_slots = parts
+        width = tail.decode_pos.shape[1]
+        tail_args = (read_rows.data_ptr(), store.shape[1], store.shape[2], pos.data_ptr(),
+                     valid.data_ptr(), width)  # fmt: skip
+        sink_args = (sinks.data_ptr(), sink_slots.data_ptr(), sinks.numel(), rings.data_ptr(),
+                     ring_slots.data_ptr(), rings.numel())  # fmt: skip
+        self._step_tail = (tail, tail_args, sink_args, parts)  # parts: the pointers' owners
+        return tail_args, sink_args
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Return x [n, heads, d] times the orthonormal Hadamard matrix (exact_tail.rotate).

@@ -188,7 +188,7 @@ class TorchRefAttention:
         ):
             return native.decode_layer(
                 q, k, v, cache, meta.slot_mapping, meta.decode_block_tables,
-                meta.decode_seq_lens, scale, tail,
+                meta.decode_seq_lens, scale, tail, checked=True,
             )  # fmt: skip
         return write_then_attend(self, q, k, v, cache, meta, scale)
 

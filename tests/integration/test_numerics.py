@@ -63,6 +63,57 @@ def test_logits_match_transformers_at_every_step(arch: str, request: pytest.Fixt
         assert err < 1e-4, f"step {i}: max abs logits error {err}"
 
 
+@pytest.mark.parametrize(
+    ("arch", "dtype", "kv_cache_dtype"),
+    [
+        ("llama", "float32", "auto"),
+        ("qwen2", "float32", "auto"),
+        ("llama", "bfloat16", "auto"),
+        ("qwen2", "bfloat16", "fp8_e4m3"),
+    ],
+)
+def test_native_layer_loop_matches_the_modules_bit_for_bit(
+    arch: str, dtype: str, kv_cache_dtype: str, request: pytest.FixtureRequest
+) -> None:
+    """On CPU the model runs its layers through LlamaForCausalLM._forward_native (the native
+    passes called directly); the modules' own forwards call the same kernels: every step's
+    logits (prefill chunks, mixed and all-decode batches) must be equal, not just close."""
+    model_dir: Path = request.getfixturevalue(f"{arch}_dir")
+    llm = LLM(
+        str(model_dir),
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory_bytes=1 << 22,
+        max_num_seqs=4,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=False,
+    )
+    model = llm.engine.worker.model
+    kernels = model.cpu_kernels
+    assert kernels is not None and model.norm.kernels is kernels
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    calls = {"native": 0}
+    native = model._forward_native
+
+    def counted(*args: object) -> torch.Tensor:
+        calls["native"] += 1
+        return native(*args)  # type: ignore[arg-type]
+
+    model._forward_native = counted  # type: ignore[method-assign]
+    seen = _record_logits(llm)
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    native_logits, seen[:] = list(seen), []
+    num_native = calls["native"]
+    assert num_native > 0
+    model.cpu_kernels = None  # the modules' forwards, their native kernels still set
+    second = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert calls["native"] == num_native  # the second run went through the modules
+    assert second == first
+    assert len(seen) == len(native_logits)
+    for ours, theirs in zip(native_logits, seen):
+        assert torch.equal(ours, theirs)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_batch_with_chunking_and_preemption_matches_transformers(
     arch: str, request: pytest.FixtureRequest
