@@ -76,9 +76,11 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                                 int64_t o_tok, int64_t o_head) {
     const int64_t es = bf16 ? 2 : 4;  // element size in bytes
     const int64_t group = num_heads / num_kv_heads, tiles = (n + 7) / 8, padded = tiles * 8;
-    float* kt = malloc(sizeof(float) * 2 * num_kv_heads * tiles * d * 8);
+    // one set of transposed tiles when both sides are the same keys (causal_attention)
+    const int64_t sides = k1 == k2 && k1_head == k2_head ? 1 : 2;
+    float* kt = malloc(sizeof(float) * sides * num_kv_heads * tiles * d * 8);
 #pragma omp parallel for schedule(static)
-    for (int64_t x = 0; x < 2 * num_kv_heads; x++) {
+    for (int64_t x = 0; x < sides * num_kv_heads; x++) {
         const char* src = x < num_kv_heads ? (const char*)k1 + x * k1_head * es
                                            : (const char*)k2 + (x - num_kv_heads) * k2_head * es;
         transpose_keys(src, n, d, bf16, kt + x * tiles * d * 8);
@@ -105,7 +107,7 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
             }
             const int64_t last = pos[ROWS - 1] < n - 1 ? pos[ROWS - 1] : n - 1;
             const float* kt1 = kt + kvh * tiles * d * 8;
-            const float* kt2 = kt + (num_kv_heads + kvh) * tiles * d * 8;
+            const float* kt2 = kt + ((sides - 1) * num_kv_heads + kvh) * tiles * d * 8;
             for (int64_t t = 0; t * 8 <= last; t++) {
                 v8f acc[ROWS], alt[ROWS];
                 v8i pick[QB];  // per query: -1 where it reads the key's second value
