@@ -44,6 +44,7 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 _SCALE_PER_AMAX = {dt: fp8.SCALE_ROUND_UP / fp8.fp8_max(dt) for dt in fp8.FP8_DTYPES}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_NO_TAIL_ARGS = (None, 0, 0, None, None, 0, None, None, 0, None, None, 0)  # see _tail_args
 
 
 def _cache_dir() -> Path:
@@ -417,17 +418,16 @@ class NativeFP8Gather:
         fp8_cache = cache.k_scale is not None
         per_amax = _SCALE_PER_AMAX[cache.k.dtype] if fp8_cache else 0.0
         store = store_scale = None
-        tail_args: tuple[int | None, ...] = (None, 0, 0, None, None, 0)
-        sink_args: tuple[int | None, ...] = (None, None, 0, None, None, 0)
+        tail_args: tuple[int | None, ...] = _NO_TAIL_ARGS
         if tail is not None:
             assert cache.kv_tail is not None and cache.kv_tail[0].is_contiguous()
             store, store_scale = cache.kv_tail
-            tail_args, sink_args = self._tail_args(tail, store)
+            tail_args = self._tail_args(tail, store)
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
-        read_rows, seats, stride, pos, valid, width = tail_args
+        read_rows, seats, stride, pos, valid, width, *sink_args = tail_args
         sinks, sink_slots, num_sinks, rings, ring_slots, num_rings = sink_args
         self._decode_layer(
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(),
@@ -441,24 +441,23 @@ class NativeFP8Gather:
         )  # fmt: skip
         return out
 
-    def _tail_args(
-        self, tail: TailMetadata, store: torch.Tensor
-    ) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
-        """decode_layer's arguments from a step's tail metadata: the same for every layer of
-        the step, so kept for the last `tail` seen (held, so its id is not reused)."""
+    def _tail_args(self, tail: TailMetadata, store: torch.Tensor) -> tuple[int | None, ...]:
+        """decode_layer's tail arguments (read rows, seats, stride, pos, valid, width, sinks,
+        sink slots, their count, ring tokens, ring slots, their count) from a step's tail
+        metadata: the same for every layer of the step (their stores share one shape), so kept
+        for the last `tail` seen, which is held so that its id is not reused."""
         if self._step_tail is not None and self._step_tail[0] is tail:
-            return self._step_tail[1], self._step_tail[2]
+            return self._step_tail[1]
         parts = [t.contiguous() for t in (tail.read_rows, tail.decode_pos, tail.decode_valid,
                  tail.sink_write_token_ids, tail.sink_write_slots, tail.write_token_ids,
                  tail.write_slots)]  # fmt: skip
         read_rows, pos, valid, sinks, sink_slots, rings, ring_slots = parts
-        width = tail.decode_pos.shape[1]
-        tail_args = (read_rows.data_ptr(), store.shape[1], store.shape[2], pos.data_ptr(),
-                     valid.data_ptr(), width)  # fmt: skip
-        sink_args = (sinks.data_ptr(), sink_slots.data_ptr(), sinks.numel(), rings.data_ptr(),
-                     ring_slots.data_ptr(), rings.numel())  # fmt: skip
-        self._step_tail = (tail, tail_args, sink_args, parts)  # parts: the pointers' owners
-        return tail_args, sink_args
+        args = (read_rows.data_ptr(), store.shape[1], store.shape[2], pos.data_ptr(),
+                valid.data_ptr(), tail.decode_pos.shape[1], sinks.data_ptr(),
+                sink_slots.data_ptr(), sinks.numel(), rings.data_ptr(), ring_slots.data_ptr(),
+                rings.numel())  # fmt: skip
+        self._step_tail = (tail, args, parts)  # parts: the pointers' owners
+        return args
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Return x [n, heads, d] times the orthonormal Hadamard matrix (exact_tail.rotate).

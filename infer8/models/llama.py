@@ -324,8 +324,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The layers' forwards with the native element-wise passes called directly: the same
         calls on the same tensors in the same order as DecoderLayer's (bit for bit), without
-        each module's dispatch and checks: ~100 us of Python per layer (a third of a batch-32
-        decode step's Python glue) down to ~50."""
+        each module's dispatch and checks: a layer's Python glue 95-148 -> 57 us (kernels and
+        matmuls stubbed out; ~1.7 ms of a ~50 ms batch-32 decode step, 30 layers)."""
         kernels = self.cpu_kernels
         assert kernels is not None
         t = x.shape[0]
