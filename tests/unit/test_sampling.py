@@ -199,3 +199,47 @@ def test_masked_tokens_stay_masked_under_any_penalty() -> None:
         sampler = Sampler(torch.device("cpu"), 0)
         tokens = {sampler(logits, [st_], []).token_ids[0] for _ in range(50)}
         assert all(t % 2 == 1 for t in tokens), (kwargs, tokens)
+
+
+def test_top_p_among_candidates_keeps_the_full_vocabularys_support_and_distribution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Row 0 is peaked (its top-p mass lies within CANDIDATES tokens: sampled among those);
+    # row 1 is flat (its top-p set is larger: the whole-vocabulary path). Both must keep the
+    # sorted-vocabulary rule's support and probabilities.
+    import infer8.worker.sampler as sampler_mod
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5000, generator=gen)
+    logits[0] *= 4.0
+    params = dict(temperature=0.7, top_p=0.9)
+    expected = []
+    for row in logits:
+        probs = torch.softmax(row / 0.7, dim=0)
+        sorted_probs, order = probs.sort(descending=True)
+        keep = (sorted_probs.cumsum(0) - sorted_probs) < 0.9
+        kept = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        expected.append(kept / kept.sum())
+    assert int((expected[0] > 0).sum()) <= sampler_mod.CANDIDATES < int((expected[1] > 0).sum())
+    full_rows: list[int] = []
+    real = sampler_mod._probs
+
+    def counting(x: torch.Tensor, p: list[SamplingParams]) -> torch.Tensor:
+        full_rows.append(x.shape[0])
+        return real(x, p)
+
+    monkeypatch.setattr(sampler_mod, "_probs", counting)
+    sampler = Sampler(torch.device("cpu"), 0)
+    draws = 3000
+    counts = torch.zeros(2, 5000)
+    for _ in range(draws):
+        tokens = sampler(logits, [_state(**params), _state(**params)], []).token_ids
+        counts[0, tokens[0]] += 1
+        counts[1, tokens[1]] += 1
+    assert full_rows == [1] * draws  # only the flat row took the whole-vocabulary path
+    for row in range(2):
+        assert bool((counts[row][expected[row] == 0] == 0).all()), "a token outside top-p"
+        top = expected[row].topk(3)
+        for p, token in zip(top.values.tolist(), top.indices.tolist()):
+            sigma = math.sqrt(draws * p * (1 - p))
+            assert abs(counts[row, token] - draws * p) < 5 * sigma + 1, (row, token)
