@@ -4,6 +4,10 @@ Only standard API fields are sent (model, prompt or messages, max_tokens, temper
 stream_options.include_usage); `ignore_eos` (vLLM's and llama.cpp's extra) only on request.
 Output tokens are counted from the server's usage when it reports it, else by re-tokenizing
 the generated text, else by counting streamed chunks; each request records which.
+
+The client is aiohttp, as `vllm bench serve`'s: on a machine the server shares, the load
+generator's own CPU time is taken from the server (httpx's pure-Python stream parsing cost ~2.5x
+aiohttp's per streamed chunk here, docs/benchmarks.md, session 13).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import json
 import math
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from tqdm.auto import tqdm
 
 from infer8.bench.report import fmt, markdown_table, summarize
@@ -133,8 +138,31 @@ def _chunk_text(choice: dict[str, Any], is_chat: bool) -> tuple[str, bool]:
     return text, not is_role_only
 
 
+def open_client(limit: int, timeout_s: float) -> aiohttp.ClientSession:
+    """Return the HTTP client of a run: up to `limit` connections kept open."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit),
+        # like httpx's Timeout(timeout_s): per read, not per request (a long stream is fine)
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=timeout_s),
+    )
+
+
+async def _sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """Yield the payload of each `data:` line of a server-sent event stream, any line length."""
+    pending = b""
+    async for piece in response.content.iter_any():
+        pending += piece
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            line = line.strip()
+            if line.startswith(b"data:"):
+                yield line[5:].strip().decode()
+    if pending.strip().startswith(b"data:"):
+        yield pending.strip()[5:].strip().decode()
+
+
 async def _send(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     headers: dict[str, str],
     body: dict[str, Any],
@@ -151,17 +179,13 @@ async def _send(
     result.start_s = start - run_start
     last: float | None = None
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            result.status_code = response.status_code
-            if response.status_code != 200:
-                detail = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {detail[:300]}"
+        async with client.post(url, json=body, headers=headers) as response:
+            result.status_code = response.status
+            if response.status != 200:
+                detail = (await response.read()).decode(errors="replace")
+                result.error = f"HTTP {response.status}: {detail[:300]}"
                 return result
-            async for line in response.aiter_lines():
-                line = line.strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
+            async for data in _sse_data(response):
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -184,7 +208,7 @@ async def _send(
                     result.num_chunks += 1
                     texts.append(text)
         result.e2el_s = time.perf_counter() - start
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, OSError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
     result.generated_text = "".join(texts)
@@ -215,14 +239,14 @@ def arrival_offsets_s(num: int, rate: float, burstiness: float, seed: int) -> li
     return offsets
 
 
-async def fetch_model_id(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> str:
+async def fetch_model_id(
+    client: aiohttp.ClientSession, base_url: str, headers: dict[str, str]
+) -> str:
     """Return the first model id the server lists at /v1/models."""
-    response = await client.get(f"{base_url}/v1/models", headers=headers)
-    if response.status_code != 200:
-        raise RuntimeError(
-            f"GET {base_url}/v1/models answered {response.status_code}; pass --model"
-        )
-    data = response.json().get("data") or []
+    async with client.get(f"{base_url}/v1/models", headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"GET {base_url}/v1/models answered {response.status}; pass --model")
+        data = (await response.json()).get("data") or []
     if not data:
         raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
     return str(data[0]["id"])
@@ -239,11 +263,7 @@ async def run_serve_async(
     is_chat = config.endpoint == "chat"
     url = f"{base_url}/v1/chat/completions" if is_chat else f"{base_url}/v1/completions"
     limit = config.max_concurrency or len(requests)
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(config.timeout_s, connect=30.0),
-        limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
-    )
-    async with client:
+    async with open_client(limit, config.timeout_s) as client:
         model = config.model or await fetch_model_id(client, base_url, headers)
         semaphore = asyncio.Semaphore(limit)
         offsets = arrival_offsets_s(

@@ -16,9 +16,7 @@ import asyncio
 import random
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from infer8.bench.report import fmt, markdown_table, summarize
 from infer8.bench.serve import (
@@ -26,9 +24,13 @@ from infer8.bench.serve import (
     ServeConfig,
     _send,
     fetch_model_id,
+    open_client,
     server_address,
 )
 from infer8.bench.workload import BenchRequest, LengthSpec, TokenizerLike, load_prompt_corpus
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ async def run_level(
     slo: SessionSLO,
     num_sessions: int,
     texts: _Texts,
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     model: str,
 ) -> LevelResult:
     """Hold `num_sessions` chat sessions for warm-up + window; judge every request sent in the
@@ -183,11 +185,7 @@ async def find_max_sessions_async(
     texts = _Texts(tokenizer, config.seed)
     levels: list[LevelResult] = []
     passed: dict[int, bool] = {}
-    limits = httpx.Limits(
-        max_connections=slo.max_sessions, max_keepalive_connections=slo.max_sessions
-    )
-    timeout = httpx.Timeout(config.timeout_s, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with open_client(slo.max_sessions, config.timeout_s) as client:
         model = config.model or await fetch_model_id(client, base_url, headers)
         level: int | None = 1
         while level is not None and len(levels) < slo.max_probes:

@@ -148,7 +148,7 @@ def test_serve_counts_rejected_and_unreachable_requests_as_failed(
     # port 9 (discard): nothing listens, so every connection is refused
     dead = ServeConfig(base_url="http://127.0.0.1:9", model=MODEL, timeout_s=5.0)
     r = run_serve(dead, requests[:2], use_tqdm=False)
-    assert (r["completed"], r["failed"]) == (0, 2) and "ConnectError" in r["errors"][0]
+    assert (r["completed"], r["failed"]) == (0, 2) and "Cannot connect" in r["errors"][0]
 
 
 @pytest.fixture(scope="module")
@@ -334,9 +334,14 @@ def test_serve_latencies_agree_with_the_official_openai_client(tmp_path: Path) -
             theirs.append(official(request))
     # TTFT: 10% plus 10 ms for the openai client's own request building (pydantic, its httpx
     # client) that falls inside its timer; TPOT: 10%, nothing client-side inside it.
+    # Compared pair by pair (the same request, one right after the other): this machine's
+    # step time drifts 13 -> 20 ms within the test, which moves two medians apart by itself.
     for i, (name, slack_s) in enumerate((("TTFT", 0.010), ("TPOT", 0.0))):
-        a, b = statistics.median(x[i] for x in ours), statistics.median(x[i] for x in theirs)
-        assert abs(a - b) <= 0.10 * b + slack_s, f"{name}: bench serve {a}, openai client {b}"
+        gap = statistics.median(a[i] - b[i] for a, b in zip(ours, theirs))
+        b_median = statistics.median(b[i] for b in theirs)
+        assert abs(gap) <= 0.10 * b_median + slack_s, (
+            f"{name}: bench serve - openai client = {gap} (pairs {ours} / {theirs})"
+        )
 
 
 def test_suite_runs_every_workload_against_its_matmul_roofline(
