@@ -24,11 +24,12 @@ logger = logging.getLogger(__name__)
 # (1e-5) still fits float32.
 _LOGIT_LIMIT = 1e20
 _GREEDY_TEMPERATURE = 1e-5
-# Rows with top-k or top-p are filtered and sampled among their CANDIDATES most likely tokens
-# when their support fits there (chat defaults such as temperature 0.2, top_p 0.9 nearly always
-# do): a partial selection instead of sorting the vocabulary. 32 rows of a 49,152-token vocab:
-# sort 60 ms, topk(256) 3 ms (docs/benchmarks.md, session 13).
-CANDIDATES = 256
+# Rows with top-k or top-p are filtered and sampled among their CANDIDATES[0] most likely
+# tokens when their support fits there (chat defaults such as temperature 0.2, top_p 0.9 nearly
+# always do), else among the next tier's, else over the sorted vocabulary: partial selections
+# instead of a sort. 32 rows of a 49,152-token vocab: sort 60 ms, topk(256) 3 ms, topk(4096)
+# 10 ms (docs/benchmarks.md, session 13).
+CANDIDATES = (256, 4096)
 
 # (logprob of the sampled token, [(token_id, logprob)] of the top-k) for one row
 RowLogprobs = tuple[float, list[tuple[int, float]]]
@@ -129,9 +130,9 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def _candidate_probs(
-    logits: torch.Tensor, params: list[SamplingParams]
+    logits: torch.Tensor, params: list[SamplingParams], k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_probs over each row's CANDIDATES most likely tokens, where that is the same support.
+    """_probs over each row's k most likely tokens, where that is the same support.
 
     Returns (probs [rows, K] in descending order, their token ids, whether the row's support
     fits): a row fits when its top-k is at most K, or when its top-p mass is reached within
@@ -139,7 +140,7 @@ def _candidate_probs(
     full softmax's (over the top-k when top-k is on), so top-p and min-p cut where _probs does.
     """
     vocab = logits.shape[1]
-    k = min(CANDIDATES, vocab)
+    k = min(k, vocab)
     top_k, top_p, min_p = _filter_params(params, vocab, logits.device)
     vals, ids = logits.topk(k, dim=1)  # descending
     column = torch.arange(k, device=logits.device).unsqueeze(0)
@@ -261,11 +262,14 @@ class Sampler:
         vocab = scaled.shape[1]
         filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
         fits = torch.zeros(len(rows), dtype=torch.bool)
-        if filtered:
+        for k in CANDIDATES:
+            if not filtered or k >= vocab:
+                break
             part = torch.tensor(filtered, dtype=torch.int64, device=device)
             probs, ids, part_fits = _candidate_probs(
                 scaled if len(filtered) == len(rows) else scaled.index_select(0, part),
                 [params[j] for j in filtered],
+                k,
             )
             fits[part] = part_fits.cpu()
             chosen = _inverse_cdf(probs, uniform[part])
@@ -273,6 +277,7 @@ class Sampler:
             for j, c, f in zip(filtered, choice, part_fits.tolist()):
                 if f:
                     tokens[rows[j]] = c
+            filtered = [j for j in filtered if not fits[j]]
         rest = [j for j in range(len(rows)) if not fits[j]]
         if rest:
             part = torch.tensor(rest, dtype=torch.int64, device=device)
@@ -290,10 +295,15 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """
     cdf = probs.to(torch.float64).cumsum(1)
     target = uniform * cdf[:, -1]
-    chosen = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
-    positive = probs > 0
-    last = probs.shape[1] - 1 - positive.flip(1).to(torch.int8).argmax(1)
-    return torch.minimum(chosen, last)
+    chosen = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(
+        max=probs.shape[1] - 1
+    )
+    zero = probs.gather(1, chosen[:, None])[:, 0] <= 0  # rounding ran past the last positive
+    if bool(zero.any()):
+        positive = probs[zero] > 0
+        last = probs.shape[1] - 1 - positive.flip(1).to(torch.int8).argmax(1)
+        chosen[zero] = torch.minimum(chosen[zero], last)
+    return chosen
 
 
 def _row_error(row: int, error: Exception) -> str:

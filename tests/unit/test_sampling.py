@@ -204,14 +204,16 @@ def test_masked_tokens_stay_masked_under_any_penalty() -> None:
 def test_top_p_among_candidates_keeps_the_full_vocabularys_support_and_distribution(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Row 0 is peaked (its top-p mass lies within CANDIDATES tokens: sampled among those);
-    # row 1 is flat (its top-p set is larger: the whole-vocabulary path). Both must keep the
-    # sorted-vocabulary rule's support and probabilities.
+    # Row 0 is peaked (its top-p set fits in the first tier of candidates), row 1 flatter (the
+    # second tier), row 2 nearly flat (larger than both: the sorted-vocabulary path). Each must
+    # keep the sorted-vocabulary rule's support and probabilities.
     import infer8.worker.sampler as sampler_mod
 
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 5000, generator=gen)
+    vocab = 5000
+    logits = torch.randn(3, vocab, generator=gen)
     logits[0] *= 4.0
+    logits[2] = -0.0001 * torch.arange(vocab)[torch.randperm(vocab, generator=gen)]
     params = dict(temperature=0.7, top_p=0.9)
     expected = []
     for row in logits:
@@ -220,25 +222,32 @@ def test_top_p_among_candidates_keeps_the_full_vocabularys_support_and_distribut
         keep = (sorted_probs.cumsum(0) - sorted_probs) < 0.9
         kept = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
         expected.append(kept / kept.sum())
-    assert int((expected[0] > 0).sum()) <= sampler_mod.CANDIDATES < int((expected[1] > 0).sum())
-    full_rows: list[int] = []
-    real = sampler_mod._probs
+    sizes = [int((e > 0).sum()) for e in expected]
+    first, second = sampler_mod.CANDIDATES
+    assert sizes[0] <= first < sizes[1] <= second < sizes[2], sizes
+    calls: list[tuple[int, int]] = []  # (rows, candidates; 0: the whole vocabulary)
+    real_candidates, real_probs = sampler_mod._candidate_probs, sampler_mod._probs
 
-    def counting(x: torch.Tensor, p: list[SamplingParams]) -> torch.Tensor:
-        full_rows.append(x.shape[0])
-        return real(x, p)
+    def candidates(x: torch.Tensor, p: list[SamplingParams], k: int) -> tuple:
+        calls.append((x.shape[0], k))
+        return real_candidates(x, p, k)
 
-    monkeypatch.setattr(sampler_mod, "_probs", counting)
+    def whole(x: torch.Tensor, p: list[SamplingParams]) -> torch.Tensor:
+        calls.append((x.shape[0], 0))
+        return real_probs(x, p)
+
+    monkeypatch.setattr(sampler_mod, "_candidate_probs", candidates)
+    monkeypatch.setattr(sampler_mod, "_probs", whole)
     sampler = Sampler(torch.device("cpu"), 0)
-    draws = 3000
-    counts = torch.zeros(2, 5000)
+    draws = 2000
+    counts = torch.zeros(3, vocab)
     for _ in range(draws):
-        tokens = sampler(logits, [_state(**params), _state(**params)], []).token_ids
-        counts[0, tokens[0]] += 1
-        counts[1, tokens[1]] += 1
-    assert full_rows == [1] * draws  # only the flat row took the whole-vocabulary path
-    for row in range(2):
-        assert bool((counts[row][expected[row] == 0] == 0).all()), "a token outside top-p"
+        tokens = sampler(logits, [_state(**params) for _ in range(3)], []).token_ids
+        for row, token in enumerate(tokens):
+            counts[row, token] += 1
+    assert calls == [(3, first), (2, second), (1, 0)] * draws  # each row left at its tier
+    for row in range(3):
+        assert bool((counts[row][expected[row] == 0] == 0).all()), f"row {row}: outside top-p"
         top = expected[row].topk(3)
         for p, token in zip(top.values.tolist(), top.indices.tolist()):
             sigma = math.sqrt(draws * p * (1 - p))
