@@ -206,8 +206,12 @@ class Sampler:
                 errors[i] = _row_error(i, e)
         if is_masked is not None:
             processed.masked_fill_(is_masked, -_LOGIT_LIMIT)
-        tokens = processed.argmax(dim=-1).tolist()
         sampled = [i for i, s in enumerate(states) if not s.params.is_greedy and i not in errors]
+        # the greedy rows' argmax (a pass over the vocabulary saved when no row is greedy)
+        if len(sampled) == len(states):
+            tokens = [-1] * len(states)
+        else:
+            tokens = processed.argmax(dim=-1).tolist()
         if sampled:
             try:
                 self._sample_rows(processed, states, sampled, tokens)
@@ -281,7 +285,8 @@ class Sampler:
         rest = [j for j in range(len(rows)) if not fits[j]]
         if rest:
             part = torch.tensor(rest, dtype=torch.int64, device=device)
-            probs = _probs(scaled.index_select(0, part), [params[j] for j in rest])
+            part_scaled = scaled if len(rest) == len(rows) else scaled.index_select(0, part)
+            probs = _probs(part_scaled, [params[j] for j in rest])
             for j, c in zip(rest, _inverse_cdf(probs, uniform[part]).tolist()):
                 tokens[rows[j]] = c
 
