@@ -114,6 +114,9 @@ class NativeFP8Gather:
                                   f32, p, p, p, i64, i64, p, p, i64, f32, p, p, i64, p, p, i64,
                                   p)  # fmt: skip
         self._hadamard = bind("infer8_hadamard_rows", p, i64, i64, i64, i64, i64, i32, p)
+        self._prefill_tail = bind("infer8_prefill_tail", p, i64, p, i64, i64, i64, i64, i32,
+                                  i32, i32, i32, f32, f32, p, i64, p, p, p, p, p, p, p,
+                                  p)  # fmt: skip
         self._rms_norm = bind("infer8_rms_norm", p, i64, p, p, i64, i64, f32, i32, p)
         self._silu_and_mul = bind("infer8_silu_and_mul", p, i64, i64, i32, p)
         self._greedy = bind("infer8_greedy_rows", p, i64, i64, f32, p)
@@ -122,7 +125,7 @@ class NativeFP8Gather:
                           f32, i32, p, p)  # fmt: skip
         self._two_value = bind("infer8_two_value_attention", p, i64, i64, p, i64, p, i64, p,
                                i64, p, i64, p, i64, i64, i64, i64, i64, i64, f32, i32, p,
-                               i64, i64)  # fmt: skip
+                               i64, i64, i32, i32)  # fmt: skip
         self._ones: dict[int, torch.Tensor] = {}
         self._no_second = torch.zeros(0, dtype=torch.uint8)  # causal_attention: no second value
         self._step_tail: tuple[Any, ...] | None = None  # decode_layer: (tail, its arguments)
@@ -227,6 +230,51 @@ class NativeFP8Gather:
             tail.data_ptr(),
         )
         return res_q, res_scale, tail
+
+    def prefill_tail(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        cache: LayerKVCache,
+        out: tuple[torch.Tensor, ...] | None = None,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """A step's new K and V [n, kvh, d] (bf16 or float32; token strides free, heads d
+        apart) rotated as the cache's rotation asks, quantized into its FP8 blocks (dynamic
+        scales), and their exact-tail values, in one pass: bit for bit torch_ref's write_kv then
+        _tail_values. Returns ((E4M3 residuals [n, 2 * kvh, d], scales [n, 2 * kvh]: K's heads,
+        then V's), tail values, block values), the last two [2, kvh, n, d] in x's dtype; into
+        `out` (those four tensors) where given (fresh pages cost more than this pass)."""
+        n, kvh, d = k.shape
+        assert k.dtype == v.dtype and k.dtype in (torch.bfloat16, torch.float32) and d <= 512
+        assert cache.k.dtype in _FP8 and cache.k_scale is not None and cache.v_scale is not None
+        k, v = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (k, v))
+        slots = slot_mapping.contiguous()
+        assert slots.dtype == torch.int64 and slots.numel() == n
+        if out is None:
+            out = (
+                torch.empty((n, 2 * kvh, d), dtype=torch.float8_e4m3fn),
+                torch.empty((n, 2 * kvh), dtype=fp8.SCALE_DTYPE),
+                torch.empty((2, kvh, n, d), dtype=k.dtype),
+                torch.empty((2, kvh, n, d), dtype=k.dtype),
+            )
+        res_q, res_scale, tail, block = out
+        assert res_q.shape == (n, 2 * kvh, d) and res_q.dtype == torch.float8_e4m3fn
+        assert res_scale.shape == (n, 2 * kvh) and res_scale.dtype == fp8.SCALE_DTYPE
+        assert tail.shape == block.shape == (2, kvh, n, d) and tail.dtype == block.dtype == k.dtype
+        assert all(x.is_contiguous() for x in out)
+        rotate = cache.k_rotation is not None
+        self._prefill_tail(
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), n, kvh, d,
+            int(k.dtype == torch.float32), int(rotate), int(rotate and cache.rotate_values),
+            int(cache.k.dtype == torch.float8_e5m2),
+            fp8.SCALE_ROUND_UP / fp8.fp8_max(cache.k.dtype),
+            fp8.SCALE_ROUND_UP / fp8.fp8_max(torch.float8_e4m3fn), slots.data_ptr(),
+            cache.k[0].numel() // d, cache.k.data_ptr(), cache.k_scale.data_ptr(),
+            cache.v.data_ptr(), cache.v_scale.data_ptr(), res_q.data_ptr(),
+            res_scale.data_ptr(), tail.data_ptr(), block.data_ptr(),
+        )  # fmt: skip
+        return (res_q, res_scale), tail, block
 
     def write_store(
         self,
@@ -383,6 +431,28 @@ class NativeFP8Gather:
             and q.stride(-1) == k.stride(-1) == 1
             and q.stride(1) == k.stride(1) == d
             and (k.stride() == v.stride() or k.shape[0] == 1)
+        )
+
+    @staticmethod
+    def prefill_tail_supported(
+        cache: LayerKVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> bool:
+        """Return whether prefill_tail runs this cache and these rows: an FP8 cache on the CPU
+        with dynamic scales (no calibration), q / k / v of one dtype (bf16 or float32) with
+        rows of d, head_dim <= 512 and a multiple of 8 (a power of two with a rotation)."""
+        d = cache.k.shape[-1]
+        return (
+            cache.k.dtype in _FP8
+            and cache.k.device.type == "cpu"
+            and cache.k_scale is not None
+            and cache.k_static_scale is None
+            and cache.k_amax is None
+            and q.dtype == k.dtype == v.dtype
+            and k.dtype in (torch.bfloat16, torch.float32)
+            and d <= 512
+            and d % 8 == 0
+            and (cache.k_rotation is None or d & (d - 1) == 0)
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
         )
 
     def decode_layer(
@@ -578,16 +648,21 @@ class NativeFP8Gather:
         second: torch.Tensor,
         q_start: int,
         scale: float,
+        rotate_q: bool = False,
+        rotate_out: bool = False,
     ) -> torch.Tensor:
         """split_prefill.two_value_attention in one native pass (csrc/two_value_attention.c),
         computed in float32: q [H, q_len, d] (any strides with rows of d), keys / values
-        ([kvh, n, d] each, rows of d; q's dtype), second [q_len, n] bool; returns
-        [H, q_len, d] in q's dtype (a view of a [q_len, H, d] tensor)."""
+        ([kvh, n, d] each, rows of d; q's dtype), second [q_len, n] bool or uint8; returns
+        [H, q_len, d] in q's dtype (a view of a [q_len, H, d] tensor). rotate_q / rotate_out:
+        q rotated before (exact_tail.rotate), the output after, bit for bit, in the same pass
+        (d a power of two)."""
         num_heads, q_len, d = q.shape
         kvh, n, _ = keys[0].shape
         parts = [x if x.stride(-1) == 1 and x.stride(-2) == d else x.contiguous()
                  for x in (*keys, *values)]  # fmt: skip
         assert all(x.dtype == q.dtype for x in parts) and q.stride(-1) == 1
+        assert not (rotate_q or rotate_out) or d & (d - 1) == 0
         second = second.to(torch.uint8).contiguous()
         out = torch.empty((q_len, num_heads, d), dtype=q.dtype)
         k1, k2, v1, v2 = parts
@@ -595,6 +670,7 @@ class NativeFP8Gather:
             q.data_ptr(), q.stride(1), q.stride(0), k1.data_ptr(), k1.stride(0), k2.data_ptr(),
             k2.stride(0), v1.data_ptr(), v1.stride(0), v2.data_ptr(), v2.stride(0),
             second.data_ptr(), num_heads, kvh, q_len, n, d, q_start, scale,
-            int(q.dtype == torch.bfloat16), out.data_ptr(), num_heads * d, d,
+            int(q.dtype == torch.bfloat16), out.data_ptr(), num_heads * d, d, int(rotate_q),
+            int(rotate_out),
         )  # fmt: skip
         return out.transpose(0, 1)

@@ -157,7 +157,22 @@ def dense_parts(
         if sink_slots.numel():  # sinks below lo, from their slot (those above: ring or new)
             e[:, : sink_slots.numel()] += res[:, sink_slots]
         exact.append(e)
-    pos = torch.arange(seq_len, device=k.device)[None, :]
-    query = torch.arange(s0, seq_len, device=k.device)[:, None]
-    reads = ((pos >= lo) & (pos > query - tail.window)) | (pos < min(tail.num_sinks, num_quant))
+    reads = _reads(seq_len, s0, lo, tail.window, min(tail.num_sinks, num_quant), k.device)
     return (exact[0], exact[1]), reads
+
+
+def fresh_reads(seq_len: int, window: int, num_sinks: int) -> torch.Tensor:
+    """Return dense_parts' reads for a prompt computed whole in one step (no ring, nothing
+    held before it): [seq_len, seq_len] bool."""
+    num_quant = max(seq_len - window, 0)
+    return _reads(seq_len, 0, 0, window, min(num_sinks, num_quant), torch.device("cpu"))
+
+
+def _reads(
+    seq_len: int, s0: int, lo: int, window: int, num_sinks: int, device: torch.device
+) -> torch.Tensor:
+    """[seq_len - s0, seq_len] bool: query a (positions s0..) reads position j's tail value iff
+    j >= lo and j > a - window, or j < num_sinks."""
+    pos = torch.arange(seq_len, device=device)[None, :]
+    query = torch.arange(s0, seq_len, device=device)[:, None]
+    return ((pos >= lo) & (pos > query - window)) | (pos < num_sinks)

@@ -85,6 +85,8 @@ class TorchRefAttention:
         self.native_causal_max_len = 512
         self._dequantize: Dequantize = _dequantize_eager
         self._buffers: dict[str, torch.Tensor] = {}
+        # fresh prompts' two-value reads by (length, window, sinks): the same for every layer
+        self._fresh_masks: dict[tuple[int, int, int], torch.Tensor] = {}
         # write_kv's inputs and their rotations: forward gets the same tensors as k_new /
         # v_new (an exact tail) and reuses them instead of rotating them a second time
         self._rotated: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -190,7 +192,84 @@ class TorchRefAttention:
                 q, k, v, cache, meta.slot_mapping, meta.decode_block_tables,
                 meta.decode_seq_lens, scale, tail, checked=True,
             )  # fmt: skip
+        if (
+            native is not None
+            and tail is not None
+            and meta.prefill_seq_ids
+            and native.prefill_tail_supported(cache, q, k, v)
+        ):
+            return self._prefill_with_tail(q, k[:n], v[:n], cache, meta, scale)
         return write_then_attend(self, q, k, v, cache, meta, scale)
+
+    def _prefill_with_tail(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """write_kv then forward for a step with prefill chunks and an exact tail, on the CPU:
+        the same values, with the new K/V rotated, written, and their tail values computed in
+        one native pass whose block values stand in for the gathered blocks of fresh prompts
+        (a prompt computed whole in this step reads no block but its own)."""
+        assert self._native is not None and meta.tail is not None and cache.kv_tail is not None
+        native, tail, store = self._native, meta.tail, cache.kv_tail
+        self._rotated = None
+        n, kvh, d = k.shape
+        cpu = torch.device("cpu")
+        buffers = (
+            self._buffer("prefill_res", (n, 2 * kvh, d), torch.float8_e4m3fn, cpu),
+            self._buffer("prefill_res_scale", (n, 2 * kvh), fp8.SCALE_DTYPE, cpu),
+            self._buffer("prefill_tail", (2, kvh, n, d), k.dtype, cpu),
+            self._buffer("prefill_blocks", (2, kvh, n, d), k.dtype, cpu),
+        )  # a layer's are read only by its own attention and store writes
+        residual, tail_values, block_values = native.prefill_tail(
+            k, v, meta.slot_mapping, cache, buffers
+        )
+        # a step of fresh prompts only (W1's prefill steps): q and the output are rotated
+        # inside their attention calls instead of in two passes of their own
+        starts = meta.query_start_loc
+        in_kernel = (
+            cache.k_rotation is not None
+            and not meta.decode_seq_ids
+            and all(
+                self._is_fresh(tail, i, starts[i + 1] - starts[i], meta.seq_lens[i])
+                for i in meta.prefill_seq_ids
+            )
+        )
+        if cache.k_rotation is not None and not in_kernel:
+            q = self._rotate(q, cache.k_rotation)
+        native.write_store(store, residual, tail.sink_write_token_ids, tail.sink_write_slots)
+        values = (tail_values[0].transpose(0, 1), tail_values[1].transpose(0, 1))
+        rotate = (in_kernel, in_kernel and cache.rotate_values)
+        out = self._attend(q, cache, meta, scale, values, (block_values, tail_values), rotate)
+        native.write_store(store, residual, tail.write_token_ids, tail.write_slots)
+        if cache.k_rotation is not None and cache.rotate_values and not in_kernel:
+            out = self._rotate(out, cache.k_rotation)  # H is its own inverse
+        return out
+
+    def _is_fresh(self, tail: exact_tail.TailMetadata, i: int, q_len: int, seq_len: int) -> bool:
+        """Return whether prefill sequence i is a prompt computed whole in this step whose
+        dense two-value form runs natively (it reads only this step's K and V)."""
+        return (
+            q_len == seq_len <= self.dense_tail_max_len
+            and tail.exact_starts[i] == 0
+            and tail.ring_read_slots[i].numel() == 0
+            and tail.sink_read_slots[i].numel() == 0
+        )
+
+    def _fresh_reads(self, seq_len: int, window: int, num_sinks: int) -> torch.Tensor:
+        """Return a fresh prompt's [seq_len, seq_len] uint8 reads (tail_prefill.dense_parts')."""
+        key = (seq_len, window, num_sinks)
+        reads = self._fresh_masks.get(key)
+        if reads is None:
+            if len(self._fresh_masks) >= 1024:
+                self._fresh_masks.clear()
+            reads = tail_prefill.fresh_reads(seq_len, window, num_sinks).to(torch.uint8)
+            self._fresh_masks[key] = reads
+        return reads
 
     def _buffer(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -428,7 +507,13 @@ class TorchRefAttention:
         meta: AttentionMetadata,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None,
+        fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotate: tuple[bool, bool] = (False, False),
     ) -> torch.Tensor:
+        """Attend q's decode rows and prefill chunks; with `fresh` (this step's block and tail
+        values of K and V, [2, kvh, n, d] each), a prompt computed whole in this step attends
+        over them without reading its blocks back, its q and output rotated in that call as
+        `rotate` (q, output) asks."""
         out = torch.zeros_like(q)
         dtype = q.dtype
         tail = meta.tail
@@ -452,6 +537,18 @@ class TorchRefAttention:
         for i in meta.prefill_seq_ids:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             q_len, seq_len = end - start, meta.seq_lens[i]
+            if fresh is not None and tail is not None and self._is_fresh(tail, i, q_len, seq_len):
+                assert self._native is not None
+                blocks, exact = fresh
+                parts = [x[:, :, start:end] for x in (blocks, exact)]  # [2, kvh, q_len, d]
+                reads = self._fresh_reads(seq_len, tail.window, tail.num_sinks[i])
+                qs = q[start:end].transpose(0, 1)
+                o = self._native.two_value_attention(
+                    qs, (parts[0][0], parts[1][0]), (parts[0][1], parts[1][1]), reads, 0, scale,
+                    *rotate,
+                )  # fmt: skip
+                out[start:end] = o.transpose(0, 1)
+                continue
             table = meta.block_tables[i, : -(-seq_len // cache.block_size)]
             # [KVH, seq_len, D]
             k = self._read(cache.k, cache.k_scale, cache.k_static_scale, table, dtype)[:, :seq_len]

@@ -18,6 +18,8 @@ enum { QB = 4, HB = 3, ROWS = QB * HB, CHUNKS = 4 };  // a task's rows: QB queri
 
 typedef uint8_t v8u8 __attribute__((vector_size(8)));
 
+void infer8_hadamard_row(float* v, int64_t d, int x_f32);  // hadamard.c
+
 // kt [tiles][d][8]: keys 8t .. 8t + 7 of one KV head (k [n, d]), transposed; zero past n.
 static void transpose_keys(const void* k, int64_t n, int64_t d, int bf16, float* kt) {
     const int64_t tiles = (n + 7) / 8;
@@ -66,14 +68,16 @@ static inline __attribute__((always_inline)) void weighted_rows(
 // v1, v2: [kvh, n, d] rows of d elements, KV head x at x + x_head stride; all float32, or all
 // bf16 (bf16 != 0); second [q_len, n]: 1 where query i reads key j's second value. Query i
 // sits at position q_start + i and sees keys 0 .. q_start + i; query head h reads KV head
-// h / group. d is a multiple of 8.
+// h / group. d is a multiple of 8. rotate_q / rotate_out: q rows times the Hadamard matrix as
+// they are read, output rows as they are written (exact_tail.rotate: the values and roundings
+// of rotating q before the call and the output after it; d a power of two).
 void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, const void* k1,
                                 int64_t k1_head, const void* k2, int64_t k2_head,
                                 const void* v1, int64_t v1_head, const void* v2,
                                 int64_t v2_head, const uint8_t* second, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t q_len, int64_t n, int64_t d,
                                 int64_t q_start, float scale, int bf16, void* out,
-                                int64_t o_tok, int64_t o_head) {
+                                int64_t o_tok, int64_t o_head, int rotate_q, int rotate_out) {
     const int64_t es = bf16 ? 2 : 4;  // element size in bytes
     const int64_t group = num_heads / num_kv_heads, tiles = (n + 7) / 8, padded = tiles * 8;
     // one set of transposed tiles when both sides are the same keys (causal_attention)
@@ -90,6 +94,7 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
     {
         float* s = malloc(sizeof(float) * ROWS * padded);
         float* qbuf = malloc(sizeof(float) * ROWS * d);  // the task's query rows as floats
+        float* obuf = malloc(sizeof(float) * HB * d + 64);  // output rows before the rotation
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_kv_heads * hblocks * qblocks; task++) {
             // the longest rows first: the last query block (most keys) gets task 0
@@ -102,6 +107,7 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                 qi[r] = i < q_len ? i : q_len - 1;
                 const int64_t h = kvh * group + (g < group ? g : group - 1);
                 for (int64_t c = 0; c < d; c++) qbuf[r * d + c] = ld1(q, qi[r] * q_tok + h * q_head + c, bf16);
+                if (rotate_q) infer8_hadamard_row(qbuf + r * d, d, !bf16);
                 qr[r] = qbuf + r * d;
                 pos[r] = q_start + qi[r];
             }
@@ -111,7 +117,7 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
             for (int64_t t = 0; t * 8 <= last; t++) {
                 v8f acc[ROWS], alt[ROWS];
                 v8i pick[QB];  // per query: -1 where it reads the key's second value
-                int mixed = 0;
+                int mixed = 0, only_second = 1;  // only: every key a query sees reads it
                 for (int qq = 0; qq < QB; qq++) {
                     const int r = qq * HB;
                     uint64_t bits = 0;
@@ -123,15 +129,21 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                             for (int64_t j = 0; j < n - t * 8; j++) bits |= (uint64_t)row[j] << (8 * j);
                         }
                         const int64_t seen = pos[r] - t * 8 + 1;  // causal: keys <= pos
-                        if (seen < 8) bits &= (1ull << (8 * seen)) - 1;
+                        const uint64_t visible = seen < 8 ? (1ull << (8 * seen)) - 1 : ~0ull;
+                        bits &= visible;
+                        only_second &= bits == (0x0101010101010101ull & visible);
                     }
                     v8u8 b;
                     memcpy(&b, &bits, 8);
                     pick[qq] = __builtin_convertvector(b, v8i) != 0;
                     mixed |= bits != 0;
                 }
-                score_tile(qr, kt1 + t * d * 8, d, acc);
-                if (mixed) {  // some row reads second values here: score those keys too
+                if (mixed && only_second) {  // inside every query's band: second keys only
+                    score_tile(qr, kt2 + t * d * 8, d, acc);
+                } else {
+                    score_tile(qr, kt1 + t * d * 8, d, acc);
+                }
+                if (mixed && !only_second) {  // some rows read second values: score them too
                     score_tile(qr, kt2 + t * d * 8, d, alt);
                     for (int r = 0; r < ROWS; r++) {
                         v8i a, b;
@@ -185,15 +197,32 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                         weighted_rows(p, second + i * n, a1, a2, count, d, c0, bf16, 1, a);
                     for (int h = 0; h < HB && hb * HB + h < group; h++) {  // not repeated heads
                         const int64_t o = i * o_tok + (kvh * group + hb * HB + h) * o_head;
-                        for (int c = 0; c < nc; c++)
-                            st8(out, o + c0 + 8 * c, a[h][c] * inv[qq * HB + h], bf16);
+                        for (int c = 0; c < nc; c++) {
+                            v8f y = a[h][c] * inv[qq * HB + h];
+                            if (!rotate_out) {
+                                st8(out, o + c0 + 8 * c, y, bf16);
+                                continue;
+                            }
+                            if (bf16) y = rnd8(y);  // the row as the output dtype holds it
+                            memcpy(obuf + h * d + c0 + 8 * c, &y, 32);
+                        }
                     }
                     c0 += 8 * nc;
+                }
+                for (int h = 0; rotate_out && h < HB && hb * HB + h < group; h++) {
+                    const int64_t o = i * o_tok + (kvh * group + hb * HB + h) * o_head;
+                    infer8_hadamard_row(obuf + h * d, d, !bf16);
+                    for (int64_t c = 0; c < d; c += 8) {
+                        v8f y;
+                        memcpy(&y, obuf + h * d + c, 32);
+                        st8(out, o + c, y, bf16);
+                    }
                 }
             }
         }
         free(s);
         free(qbuf);
+        free(obuf);
     }
     free(kt);
 }

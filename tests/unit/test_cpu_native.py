@@ -245,10 +245,17 @@ def test_decode_layer_is_the_write_then_the_attention_bit_for_bit(
     dtype: torch.dtype, hadamard: bool
 ) -> None:
     """One native call per all-decode layer (rotation, FP8 write, tail residuals, sinks, the
-    attention, rings) leaves the same cache and store and returns the same output, bit for bit,
-    as the native path's separate calls; other steps take those calls."""
+    attention, rings), and one native write pass per layer of a step with prefill chunks
+    (prefill_tail, whose block values fresh prompts attend over without a gather), leave the
+    same cache and store and return the same outputs, bit for bit, as the separate calls."""
     torch.manual_seed(0)
     ref, fused, calls = _backends_counting_fused_calls()
+    assert fused._native is not None
+    prefill_calls: list[int] = []
+    fresh: list[tuple[int, int, int]] = []
+    passes, reads = fused._native.prefill_tail, fused._fresh_reads
+    fused._native.prefill_tail = lambda *a: prefill_calls.append(1) or passes(*a)  # type: ignore[method-assign]
+    fused._fresh_reads = lambda *a: fresh.append(a) or reads(*a)  # type: ignore[method-assign]
     cpu = torch.device("cpu")
     for step, got, want, got_cache, want_cache in run_schedule(
         ref, fused, dtype, hadamard, cpu, fused=True
@@ -263,6 +270,10 @@ def test_decode_layer_is_the_write_then_the_attention_bit_for_bit(
         assert torch.equal(store[0].view(torch.uint8), want_store[0].view(torch.uint8)), step
         assert torch.equal(store[1], want_store[1]), step
     assert len(calls) == 2  # the schedule's two all-decode steps
+    # the three steps with prefill chunks in one pass each; the fresh prompts (A's 20 tokens,
+    # D's 3, E's 10) attend over that pass's values, the later chunks over their blocks
+    assert len(prefill_calls) == 3
+    assert [n for n, _, _ in fresh] == [20, 3, 10]
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
