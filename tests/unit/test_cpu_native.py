@@ -112,6 +112,49 @@ def test_write_fp8_stores_what_the_torch_write_stores(
     assert torch.equal(scales, ref_scales)
 
 
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("d", [64, 32])  # the inlined head_dim 64, and another
+def test_prefill_tail_is_the_write_and_the_tail_values_bit_for_bit(
+    cache_dtype: torch.dtype, x_dtype: torch.dtype, hadamard: bool, d: int
+) -> None:
+    """One native pass over a prefill step's K and V (strided views of a fused projection):
+    the rotated rows quantized into the blocks, their residuals and tail values as
+    _tail_values returns them, and their block values as a gather of the blocks reads them."""
+    torch.manual_seed(0)
+    backend = TorchRefAttention(use_native=True)
+    native = backend._native
+    assert native is not None
+    kvh, tokens = 3, 300
+    spec = KVCacheSpec(1, kvh, d, 16, cache_dtype, 6, 2, hadamard)
+    cache = allocate_kv_cache(spec, 40, torch.device("cpu"), num_tail_rows=2)[0]
+    want = allocate_kv_cache(spec, 40, torch.device("cpu"), num_tail_rows=2)[0]
+    x = torch.randn(tokens, 15, d) * torch.logspace(-6, 3, tokens)[:, None, None]
+    x[0] = 0  # a zero row, subnormal FP8 values, saturation
+    qkv = x.view(tokens, 15 * d).to(x_dtype)
+    k = qkv[:, 9 * d : 12 * d].view(tokens, kvh, d)
+    v = qkv[:, 12 * d :].view(tokens, kvh, d)
+    slots = torch.randperm(40 * 16)[:tokens]
+    residual, tail, block = native.prefill_tail(k, v, slots, cache)
+    backend.write_kv(want, k, v, slots)  # rotates (when the cache does) and quantizes
+    k_rot, v_rot = (k, v) if backend._rotated is None else backend._rotated[2:]
+    ref_residual, ref_tail = backend._tail_values(want, k_rot, v_rot)
+    for got_t, want_t in ((cache.k, want.k), (cache.v, want.v)):
+        assert torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))
+    assert torch.equal(cache.k_scale, want.k_scale) and torch.equal(cache.v_scale, want.v_scale)
+    assert torch.equal(residual[0].view(torch.uint8), ref_residual[0].view(torch.uint8))
+    assert torch.equal(residual[1], ref_residual[1])
+    assert torch.equal(tail[0].transpose(0, 1), ref_tail[0])
+    assert torch.equal(tail[1].transpose(0, 1), ref_tail[1])
+    torch_read = TorchRefAttention()._read  # the torch gather + dequantize
+    for side, (c, scale) in enumerate(((want.k, want.k_scale), (want.v, want.v_scale))):
+        blocks = (slots // 16).unique()
+        gathered = torch_read(c, scale, None, blocks, x_dtype)  # [kvh, n * 16, d]
+        at = (blocks[:, None] == (slots // 16)[None]).int().argmax(0) * 16 + slots % 16
+        assert torch.equal(block[side], gathered[:, at])
+
+
 @pytest.mark.parametrize(
     "cache_dtype, dtype",
     [
