@@ -3,14 +3,22 @@
     python benchmarks/kv_step_ab.py auto:0 fp8_e4m3:0 fp8_e4m3:24          # decode, batch 32
     python benchmarks/kv_step_ab.py --prefill-tokens 2048 auto:0 fp8_e4m3:24
     python benchmarks/kv_step_ab.py auto:0:gather auto:0 fp8_e4m3:24:gather fp8_e4m3:24
+    python benchmarks/kv_step_ab.py --dtype auto --batch 64 auto:0 fp8_e4m3:24 fp8_e4m3:0
+    python benchmarks/kv_step_ab.py --dtype auto --prefill-tokens 128 --prefill-prompts 32 \
+        auto:0 fp8_e4m3:24                                       # W1's prefill step
+    python benchmarks/kv_step_ab.py --dtype auto --w1 6 --batch 64 auto:0 fp8_e4m3:24
 
 Each configuration is KV_DTYPE:TAIL_TOKENS[:gather] (`--kv-cache-exact-tail-tokens`; ignored for
 16/32-bit caches); sinks and rotation stay on auto. `gather` turns off the fused native decode
 attention (csrc/decode_attention.c) for that engine: blocks gathered into a buffer, then
-batched matmuls, as before it. Decode: every engine holds 32 running requests of a
-128-token prompt; the engines take one step each in turn, 40 times, and the median step is
+batched matmuls, as before it. Decode: every engine holds 32 (`--batch`) running requests of
+a 128-token prompt; the engines take one step each in turn, 40 times, and the median step is
 printed with its ratio to the first configuration's. Prefill: each engine prefills one prompt
-of N tokens in turn, 3 times; medians. float32 compute (`--dtype`), the default model.
+of N tokens (or `--prefill-prompts` of them, in one step) in turn, 3 times; medians. W1
+(`--w1 ROUNDS`): each engine runs the issue's W1 (64 requests, 128-token prompts, 128 greedy
+output tokens, ignore_eos, 4,096 batched tokens; `--batch` running at most) in turn, ROUNDS
+times after a short warm-up, its cache faulted in first; medians and the median of each
+round's ratio to the first configuration. float32 compute (`--dtype`), the default model.
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ from infer8.engine import LLMEngine
 from infer8.sampling_params import SamplingParams
 
 
-def _engine(config: str, max_num_seqs: int, dtype: str = "float32") -> LLMEngine:
+def _engine(
+    config: str, max_num_seqs: int, dtype: str = "float32", batched_tokens: int | None = None
+) -> LLMEngine:
     kv, tail, *how = config.split(":")
     engine = LLMEngine(
         EngineArgs(
@@ -32,6 +42,7 @@ def _engine(config: str, max_num_seqs: int, dtype: str = "float32") -> LLMEngine
             kv_cache_dtype=kv,
             kv_cache_exact_tail_tokens=int(tail) if kv.startswith("fp8") else None,
             max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=batched_tokens,
             kv_cache_memory_bytes=1 << 29,
             enable_prefix_caching=False,
         )
@@ -42,13 +53,15 @@ def _engine(config: str, max_num_seqs: int, dtype: str = "float32") -> LLMEngine
     return engine
 
 
-def decode(configs: list[str], steps: int = 40, dtype: str = "float32") -> list[float]:
-    """Return each configuration's median decode step (seconds) at batch 32."""
+def decode(
+    configs: list[str], steps: int = 40, dtype: str = "float32", batch: int = 32
+) -> list[float]:
+    """Return each configuration's median decode step (seconds) at `batch`."""
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     engines = []
     for c in configs:
-        e = _engine(c, 32, dtype)
-        for i in range(32):
+        e = _engine(c, batch, dtype)
+        for i in range(batch):
             e.add_request([(i * 7 + j) % 30000 + 100 for j in range(128)], params)
         for _ in range(6):  # the prefill steps and a few decodes
             e.step()
@@ -63,20 +76,49 @@ def decode(configs: list[str], steps: int = 40, dtype: str = "float32") -> list[
 
 
 def prefill(
-    configs: list[str], num_tokens: int, rounds: int = 3, dtype: str = "float32"
+    configs: list[str], num_tokens: int, rounds: int = 3, dtype: str = "float32", prompts: int = 1
 ) -> list[float]:
-    """Return each configuration's median time to prefill one num_tokens prompt (seconds)."""
+    """Return each configuration's median time to prefill `prompts` prompts of num_tokens
+    tokens (seconds): one step when they fit in max_num_batched_tokens (raised to them)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    engines = [_engine(c, 8, dtype) for c in configs]
+    batched = max(prompts * num_tokens, 2048)
+    engines = [_engine(c, max(prompts, 8), dtype, batched) for c in configs]
     times: list[list[float]] = [[] for _ in engines]
     for r in range(rounds):
         for e, ts in zip(engines, times):
-            e.add_request([(r * 13 + j * 7) % 30000 + 100 for j in range(num_tokens)], params)
+            for i in range(prompts):
+                prompt = [(r * 13 + i * 131 + j * 7) % 30000 + 100 for j in range(num_tokens)]
+                e.add_request(prompt, params)
             t0 = time.perf_counter()
             while e.has_unfinished_requests():
                 e.step()
             ts.append(time.perf_counter() - t0)
     return [statistics.median(ts) for ts in times]
+
+
+def w1(
+    configs: list[str], rounds: int, max_num_seqs: int, dtype: str = "float32"
+) -> list[list[float]]:
+    """Return each configuration's W1 times (seconds), one per round, engines in turn."""
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    engines = [_engine(c, max_num_seqs, dtype, 4096) for c in configs]  # the issue's W1
+    for e in engines:
+        populate = e.executor.driver_worker.kv_populate  # type: ignore[attr-defined]
+        if populate is not None:
+            populate.join()
+    times: list[list[float]] = [[] for _ in engines]
+    for r in range(rounds + 1):  # round 0: a warm-up of 8 requests
+        for e, ts in zip(engines, times):
+            for i in range(64 if r else 8):
+                e.add_request(
+                    [(r * 131 + i * 7 + j * 13) % 30000 + 100 for j in range(128)], params
+                )
+            t0 = time.perf_counter()
+            while e.has_unfinished_requests():
+                e.step()
+            if r:
+                ts.append(time.perf_counter() - t0)
+    return times
 
 
 def main() -> None:
@@ -86,11 +128,25 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=0, help="time prefill instead")
     parser.add_argument("--dtype", default="float32", help="compute dtype (auto: bf16 on CPUs "
                         "with bf16 units)")  # fmt: skip
+    parser.add_argument("--w1", type=int, default=0, metavar="ROUNDS", help="time W1 instead")
+    parser.add_argument("--prefill-prompts", type=int, default=1, help="prompts per prefill")
+    parser.add_argument("--batch", type=int, default=0, help="decode batch (default 32) or "
+                        "W1's max_num_seqs (default 64)")  # fmt: skip
     ns = parser.parse_args()
+    if ns.w1:
+        runs = w1(ns.configs, ns.w1, ns.batch or 64, ns.dtype)
+        first = statistics.median(runs[0])
+        for config, ts in zip(ns.configs, runs):
+            m = statistics.median(ts)
+            pairs = statistics.median(t / t0 for t, t0 in zip(ts, runs[0]))
+            print(f"{config}: W1 {m:.2f} s = {64 * 128 / m:.1f} output tok/s ({m / first:.3f}x "
+                  f"the first's time; rounds {pairs:.3f}x) {' '.join(f'{t:.2f}' for t in ts)}",
+                  flush=True)  # fmt: skip
+        return
     if ns.prefill_tokens:
-        medians = prefill(ns.configs, ns.prefill_tokens, dtype=ns.dtype)
+        medians = prefill(ns.configs, ns.prefill_tokens, dtype=ns.dtype, prompts=ns.prefill_prompts)
     else:
-        medians = decode(ns.configs, dtype=ns.dtype)
+        medians = decode(ns.configs, dtype=ns.dtype, batch=ns.batch or 32)
     for config, m in zip(ns.configs, medians):
         print(f"{config}: {m * 1e3:.1f} ms ({m / medians[0]:.3f}x the first)", flush=True)
 
