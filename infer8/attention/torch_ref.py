@@ -228,45 +228,39 @@ class TorchRefAttention:
         residual, tail_values, block_values = native.prefill_tail(
             k, v, meta.slot_mapping, cache, buffers
         )
+        # prompts computed whole in this step (their chunk is their context) and short enough
+        # for the dense two-value form: they read no block but their own, so no ring, no
+        # stored sinks, and their rows' exact values start at 0
+        starts, lens = meta.query_start_loc, meta.seq_lens
+        fresh_ids = {
+            i
+            for i in meta.prefill_seq_ids
+            if starts[i + 1] - starts[i] == lens[i] <= self.dense_tail_max_len
+        }
         # a step of fresh prompts only (W1's prefill steps): q and the output are rotated
         # inside their attention calls instead of in two passes of their own
-        starts = meta.query_start_loc
         in_kernel = (
             cache.k_rotation is not None
             and not meta.decode_seq_ids
-            and all(
-                self._is_fresh(tail, i, starts[i + 1] - starts[i], meta.seq_lens[i])
-                for i in meta.prefill_seq_ids
-            )
+            and len(fresh_ids) == len(meta.prefill_seq_ids)
         )
         if cache.k_rotation is not None and not in_kernel:
             q = self._rotate(q, cache.k_rotation)
         native.write_store(store, residual, tail.sink_write_token_ids, tail.sink_write_slots)
         values = (tail_values[0].transpose(0, 1), tail_values[1].transpose(0, 1))
         rotate = (in_kernel, in_kernel and cache.rotate_values)
-        out = self._attend(q, cache, meta, scale, values, (block_values, tail_values), rotate)
+        fresh = (block_values, tail_values, fresh_ids)
+        out = self._attend(q, cache, meta, scale, values, fresh, rotate)
         native.write_store(store, residual, tail.write_token_ids, tail.write_slots)
         if cache.k_rotation is not None and cache.rotate_values and not in_kernel:
             out = self._rotate(out, cache.k_rotation)  # H is its own inverse
         return out
 
-    def _is_fresh(self, tail: exact_tail.TailMetadata, i: int, q_len: int, seq_len: int) -> bool:
-        """Return whether prefill sequence i is a prompt computed whole in this step whose
-        dense two-value form runs natively (it reads only this step's K and V)."""
-        return (
-            q_len == seq_len <= self.dense_tail_max_len
-            and tail.exact_starts[i] == 0
-            and tail.ring_read_slots[i].numel() == 0
-            and tail.sink_read_slots[i].numel() == 0
-        )
-
     def _fresh_reads(self, seq_len: int, window: int, num_sinks: int) -> torch.Tensor:
         """Return a fresh prompt's [seq_len, seq_len] uint8 reads (tail_prefill.dense_parts')."""
         key = (seq_len, window, num_sinks)
-        reads = self._fresh_masks.get(key)
+        reads = self._fresh_masks.get(key)  # lengths <= dense_tail_max_len: a bounded set
         if reads is None:
-            if len(self._fresh_masks) >= 1024:
-                self._fresh_masks.clear()
             reads = tail_prefill.fresh_reads(seq_len, window, num_sinks).to(torch.uint8)
             self._fresh_masks[key] = reads
         return reads
@@ -507,13 +501,13 @@ class TorchRefAttention:
         meta: AttentionMetadata,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None,
-        fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+        fresh: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None,
         rotate: tuple[bool, bool] = (False, False),
     ) -> torch.Tensor:
         """Attend q's decode rows and prefill chunks; with `fresh` (this step's block and tail
-        values of K and V, [2, kvh, n, d] each), a prompt computed whole in this step attends
-        over them without reading its blocks back, its q and output rotated in that call as
-        `rotate` (q, output) asks."""
+        values of K and V, [2, kvh, n, d] each, and the prefill sequences computed whole in
+        this step), those prompts attend over the step's values without reading their blocks
+        back, their q and output rotated in that call as `rotate` (q, output) asks."""
         out = torch.zeros_like(q)
         dtype = q.dtype
         tail = meta.tail
@@ -537,9 +531,9 @@ class TorchRefAttention:
         for i in meta.prefill_seq_ids:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             q_len, seq_len = end - start, meta.seq_lens[i]
-            if fresh is not None and tail is not None and self._is_fresh(tail, i, q_len, seq_len):
-                assert self._native is not None
-                blocks, exact = fresh
+            if fresh is not None and i in fresh[2]:
+                assert self._native is not None and tail is not None
+                blocks, exact, _ = fresh
                 parts = [x[:, :, start:end] for x in (blocks, exact)]  # [2, kvh, q_len, d]
                 reads = self._fresh_reads(seq_len, tail.window, tail.num_sinks[i])
                 qs = q[start:end].transpose(0, 1)
