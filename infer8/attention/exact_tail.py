@@ -192,9 +192,9 @@ class TailMetadata:
     read_rows: torch.Tensor  # [r] int64: the store rows this step reads
     ring_read_slots: list[torch.Tensor]  # per sequence: read indices of [lo, first new position)
     sink_read_slots: list[torch.Tensor]  # per sequence: read indices of [0, min(S, lo))
-    write_token_ids: torch.Tensor  # [n] int64: flat-batch tokens that enter the ring
+    write_token_ids: torch.Tensor  # [n] int64: flat-batch tokens that enter the ring, ascending
     write_slots: torch.Tensor  # [n] int64: their store slots
-    sink_write_token_ids: torch.Tensor  # [m] int64: flat-batch tokens that are sinks
+    sink_write_token_ids: torch.Tensor  # [m] int64: flat-batch tokens that are sinks, ascending
     sink_write_slots: torch.Tensor  # [m] int64: their store slots
     decode_new: torch.Tensor  # [num_decode] int64: each new token's index in the gathered [B * L]
     # decode: per sequence, the positions of its 2 * stride read residuals (its ring row,

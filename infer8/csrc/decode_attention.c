@@ -699,9 +699,10 @@ void infer8_decode_attention(
 // Defined beside the batched passes they serve one row of (fp8_gather.c, hadamard.c).
 void infer8_quantize_row(const float* v, int64_t d, int is_e5m2, float per_amax, uint8_t* out,
                          uint16_t* scale);
-void infer8_residual_row(const float* v, int64_t d, int x_f32, int block_is_e5m2,
-                         float block_per_amax, float e4m3_per_amax, uint8_t* res_q,
-                         uint16_t* res_scale, float* tail);
+void infer8_tail_row(const void* src, int64_t at, int64_t d, int x_f32, int rotate,
+                     int block_is_e5m2, float block_per_amax, float e4m3_per_amax,
+                     uint8_t* codes, uint16_t* code_scale, uint8_t* res_q, uint16_t* res_scale,
+                     void* tail, void* block);
 void infer8_hadamard_row(float* v, int64_t d, int x_f32);
 
 // Residual rows of sequence b (K's head h, V's head kvh + h) into the store's slots where
@@ -710,8 +711,12 @@ static void store_residuals(uint8_t* store, uint16_t* store_scale, int64_t store
                             int64_t num_kv_heads, int64_t h, int64_t d, const int64_t* ids,
                             const int64_t* slots, int64_t n, int64_t b, const uint8_t* rk,
                             uint16_t sk, const uint8_t* rv, uint16_t sv) {
-    for (int64_t i = 0; i < n; i++) {
-        if (ids[i] != b) continue;
+    int64_t i = 0, hi = n;  // ids ascend (build_tail_metadata lists a step's tokens in order)
+    while (i < hi) {
+        const int64_t mid = (i + hi) / 2;
+        if (ids[mid] < b) i = mid + 1; else hi = mid;
+    }
+    for (; i < n && ids[i] == b; i++) {
         const int64_t kat = h * store_slots + slots[i];
         const int64_t vat = (num_kv_heads + h) * store_slots + slots[i];
         memcpy(store + kat * d, rk, (size_t)d);
@@ -760,11 +765,31 @@ void infer8_decode_layer(
             const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
             float nk[512], nv[512];
             if (d > 512 || seq_lens[b] <= 0) continue;  // the caller checks both
+            const int64_t slot = h * num_blocks * block_size + slot_mapping[b];
+            if (store != NULL) {  // written, residuals and tail values in one pass per row
+                const int e5m2 = kind == KV_E5M2;
+                float* tk = tails + 2 * d * task;
+                uint8_t* rk = residuals + 2 * d * task;
+                uint16_t* sk = scales + 2 * task;
+                uint16_t tv[512], bv[512];  // bf16 tail values; block values (unused)
+                infer8_tail_row(k, b * kv_stride + h * d, d, x_f32, rotate_keys, e5m2,
+                                cache_per_amax, e4m3_per_amax, (uint8_t*)k_cache + slot * d,
+                                k_scale + slot, rk, sk, x_f32 ? (void*)tk : (void*)tv,
+                                x_f32 ? (void*)nk : (void*)bv);
+                if (!x_f32) load_row(tv, 0, d, 0, tk);
+                infer8_tail_row(v, b * kv_stride + h * d, d, x_f32, rotate_keys && rotate_values,
+                                e5m2, cache_per_amax, e4m3_per_amax,
+                                (uint8_t*)v_cache + slot * d, v_scale + slot, rk + d, sk + 1,
+                                x_f32 ? (void*)(tk + d) : (void*)tv, x_f32 ? (void*)nv : (void*)bv);
+                if (!x_f32) load_row(tv, 0, d, 0, tk + d);
+                store_residuals(store, store_scale, store_slots, num_kv_heads, h, d, sink_ids,
+                                sink_slots, num_sinks, b, rk, sk[0], rk + d, sk[1]);
+                continue;
+            }
             load_row(k, b * kv_stride + h * d, d, x_f32, nk);
             load_row(v, b * kv_stride + h * d, d, x_f32, nv);
             if (rotate_keys) infer8_hadamard_row(nk, d, x_f32);
             if (rotate_keys && rotate_values) infer8_hadamard_row(nv, d, x_f32);
-            const int64_t slot = h * num_blocks * block_size + slot_mapping[b];
             if (kind >= KV_E4M3) {  // torch_ref.write_kv's dynamic FP8 write
                 const int e5m2 = kind == KV_E5M2;
                 infer8_quantize_row(nk, d, e5m2, cache_per_amax, (uint8_t*)k_cache + slot * d,
@@ -775,16 +800,6 @@ void infer8_decode_layer(
                 store_row((char*)k_cache + slot * d * elem, 0, d, kind == KV_F32, nk);
                 store_row((char*)v_cache + slot * d * elem, 0, d, kind == KV_F32, nv);
             }
-            if (store == NULL) continue;
-            float* tk = tails + 2 * d * task;
-            uint8_t* rk = residuals + 2 * d * task;
-            uint16_t* sk = scales + 2 * task;
-            const int e5m2 = kind == KV_E5M2;
-            infer8_residual_row(nk, d, x_f32, e5m2, cache_per_amax, e4m3_per_amax, rk, sk, tk);
-            infer8_residual_row(nv, d, x_f32, e5m2, cache_per_amax, e4m3_per_amax, rk + d,
-                                sk + 1, tk + d);
-            store_residuals(store, store_scale, store_slots, num_kv_heads, h, d, sink_ids,
-                            sink_slots, num_sinks, b, rk, sk[0], rk + d, sk[1]);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {

@@ -139,6 +139,22 @@ static inline uint8_t float_to_fp8(float f, int is_e5m2) {
     return (uint8_t)((r & 0xFFu) | (sign >> 24));
 }
 
+// The value float_to_fp8(y) encodes, as a float (y clamped to the format's max): the same
+// rounding (subnormals on the 2^-9 / 2^-16 grid, normal values to 3 / 2 mantissa bits, ties
+// to even) without encoding the code and decoding it again.
+static inline float fp8_round_value(float y, int is_e5m2) {
+    const int mant = is_e5m2 ? 2 : 3, bias = is_e5m2 ? 15 : 7;
+    uint32_t b = float_to_bits(y);
+    const uint32_t sign = b & 0x80000000u;
+    b ^= sign;
+    const float magic = bits_to_float((uint32_t)(127 - bias + 23 - mant + 1) << 23);
+    const float sub = (bits_to_float(b) + magic) - magic;
+    const int shift = 23 - mant;
+    const uint32_t odd = (b >> shift) & 1u;
+    const uint32_t nor = (b + ((1u << (shift - 1)) - 1u) + odd) & ~((1u << shift) - 1u);
+    const uint32_t smallest_normal = (uint32_t)(127 - bias + 1) << 23;
+    return bits_to_float((b < smallest_normal ? float_to_bits(sub) : nor) | sign);
+}
 static inline float bf16_value(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
 
 // fp8.dynamic_scale: amax * (1 + 2^-7) / format max, at least 1e-12, rounded to bf16.
@@ -175,7 +191,8 @@ static inline float abs_max(const float* v, int64_t d) {
     }
     float out = 0.0f;
     for (int l = 0; l < 8; l++) out = m[l] > out ? m[l] : out;
-    for (; j < d; j++) out = fabsf(v[j]) > out ? fabsf(v[j]) : out;
+    if (d % 8 != 0)  // a scalar tail only where one is left (none for a constant d of 8s)
+        for (; j < d; j++) out = fabsf(v[j]) > out ? fabsf(v[j]) : out;
     return out;
 }
 
@@ -195,10 +212,8 @@ static inline __attribute__((always_inline)) void residual_row_full(
     const float s1 = bf16_value(s1_bits);
     for (int64_t j = 0; j < d; j++) {  // no reduction inside: the loop vectorizes
         float y = clampf(v[j] / s1, block_max);
-        uint8_t c = block_is_e5m2 ? float_to_fp8(y, 1) : float_to_fp8(y, 0);
-        float deq = block_is_e5m2 ? e5m2_value(c) : e4m3_value(c);
-        cb[j] = c;
-        xb[j] = to_dtype(deq * s1, x_f32);
+        cb[j] = block_is_e5m2 ? float_to_fp8(y, 1) : float_to_fp8(y, 0);
+        xb[j] = to_dtype(fp8_round_value(y, block_is_e5m2) * s1, x_f32);
         res[j] = v[j] - xb[j];
     }
     if (codes != NULL) {
@@ -211,9 +226,9 @@ static inline __attribute__((always_inline)) void residual_row_full(
     const float s2 = bf16_value(s2_bits);
     *res_scale = s2_bits;
     for (int64_t j = 0; j < d; j++) {
-        uint8_t q = float_to_fp8(clampf((v[j] - xb[j]) / s2, 448.0f), 0);
-        res_q[j] = q;
-        tail[j] = to_dtype(xb[j] + to_dtype(e4m3_value(q) * s2, x_f32), x_f32);
+        const float y = clampf(res[j] / s2, 448.0f);
+        res_q[j] = float_to_fp8(y, 0);
+        tail[j] = to_dtype(xb[j] + to_dtype(fp8_round_value(y, 0) * s2, x_f32), x_f32);
     }
 }
 
@@ -222,13 +237,6 @@ static inline void residual_row(const float* v, int64_t d, int x_f32, int block_
                                 uint16_t* res_scale, float* tail) {
     residual_row_full(v, d, x_f32, block_is_e5m2, block_per_amax, e4m3_per_amax, res_q,
                       res_scale, tail, NULL, NULL, NULL);
-}
-
-void infer8_residual_row(const float* v, int64_t d, int x_f32, int block_is_e5m2,
-                         float block_per_amax, float e4m3_per_amax, uint8_t* res_q,
-                         uint16_t* res_scale, float* tail) {  // for decode_attention.c
-    residual_row(v, d, x_f32, block_is_e5m2, block_per_amax, e4m3_per_amax, res_q, res_scale,
-                 tail);
 }
 
 void infer8_tail_residual(const void* x, int64_t rows, int64_t d, int x_f32, int block_is_e5m2,
@@ -366,6 +374,33 @@ static inline __attribute__((always_inline)) void prefill_row(
             ((uint16_t*)block)[o + j] = float_to_bf16(bv[j]);
         }
     }
+}
+
+// One row of infer8_prefill_tail (src at element `at`; its tail and block values at element 0
+// of theirs): infer8_decode_layer's new rows, inlined with constant d, format and dtype.
+void infer8_tail_row(const void* src, int64_t at, int64_t d, int x_f32, int rotate,
+                     int block_is_e5m2, float block_per_amax, float e4m3_per_amax,
+                     uint8_t* codes, uint16_t* code_scale, uint8_t* res_q, uint16_t* res_scale,
+                     void* tail, void* block) {
+    if (d > 512) return;  // the caller checks head_dim
+#define TAIL_ROW(D, E5M2, F32)                                                        \
+    prefill_row(src, at, D, F32, rotate, E5M2, block_per_amax, e4m3_per_amax, codes, \
+                code_scale, res_q, res_scale, tail, block, 0)
+#define TAIL_ROWS(D)                                          \
+    if (block_is_e5m2) {                                      \
+        if (x_f32) TAIL_ROW(D, 1, 1); else TAIL_ROW(D, 1, 0); \
+    } else {                                                  \
+        if (x_f32) TAIL_ROW(D, 0, 1); else TAIL_ROW(D, 0, 0); \
+    }
+    if (d == 64) {
+        TAIL_ROWS(64)
+    } else if (d == 128) {
+        TAIL_ROWS(128)
+    } else {
+        TAIL_ROWS(d)
+    }
+#undef TAIL_ROWS
+#undef TAIL_ROW
 }
 
 void infer8_prefill_tail(const void* k, int64_t k_stride, const void* v, int64_t v_stride,
