@@ -36,6 +36,7 @@ _SOURCES = (
     _CSRC / "elementwise.c",
     _CSRC / "band_attention.c",
     _CSRC / "two_value_attention.c",
+    _CSRC / "sampling.c",
 )
 # -fno-trapping-math: no FP exception is ever observed, so branch-free selects vectorize (the
 # values are IEEE's either way; no -ffast-math, which would change them)
@@ -120,6 +121,7 @@ class NativeFP8Gather:
         self._rms_norm = bind("infer8_rms_norm", p, i64, p, p, i64, i64, f32, i32, p)
         self._silu_and_mul = bind("infer8_silu_and_mul", p, i64, i64, i32, p)
         self._greedy = bind("infer8_greedy_rows", p, i64, i64, f32, p)
+        self._candidates = bind("infer8_nucleus_candidates", p, i64, i64, p, p, i64, p, p, p, p)
         self._rope = bind("infer8_rope", p, i64, i64, i64, i64, p, p, i32)
         self._band = bind("infer8_band_attention", p, p, p, i64, i64, i64, i64, i64, i64, i64,
                           f32, i32, p, p)  # fmt: skip
@@ -587,6 +589,30 @@ class NativeFP8Gather:
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         self._greedy(logits.data_ptr(), logits.shape[0], logits.shape[1], limit, out.data_ptr())
         return out.tolist()
+
+    def nucleus_candidates(
+        self, logits: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, cap: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return each row's top-k / top-p candidates (csrc/sampling.c): (ids [rows, cap],
+        their count per row or -1 where the row is left to the caller, the row's maximum, the
+        softmax denominator sum(e^max(x - max, -87))). logits: finite float32 [rows, vocab];
+        top_p float32, top_k int64 [rows] (vocab: off). A row's candidates are every token
+        above its smallest one, in index order."""
+        assert logits.dtype == torch.float32 and logits.dim() == 2 and logits.device.type == "cpu"
+        logits = logits.contiguous()
+        rows, vocab = logits.shape
+        top_p = top_p.to(torch.float32).contiguous()
+        top_k = top_k.to(torch.int64).contiguous()
+        assert top_p.shape == top_k.shape == (rows,)
+        ids = torch.empty((rows, cap), dtype=torch.int64)
+        count = torch.empty(rows, dtype=torch.int64)
+        row_max = torch.empty(rows, dtype=torch.float32)
+        row_sum = torch.empty(rows, dtype=torch.float32)
+        self._candidates(
+            logits.data_ptr(), rows, vocab, top_p.data_ptr(), top_k.data_ptr(), cap,
+            row_max.data_ptr(), row_sum.data_ptr(), ids.data_ptr(), count.data_ptr(),
+        )  # fmt: skip
+        return ids, count, row_max, row_sum
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [n, heads, d] in place (rotate_half convention) by cos, sin [n, d / 2]."""

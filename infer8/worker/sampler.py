@@ -30,6 +30,10 @@ _GREEDY_TEMPERATURE = 1e-5
 # instead of a sort. 32 rows of a 49,152-token vocab: sort 60 ms, topk(256) 3 ms, topk(4096)
 # 10 ms (docs/benchmarks.md, session 13).
 CANDIDATES = (256, 4096)
+# On CPU a native pass finds each row's candidates instead (NativeFP8Gather.nucleus_candidates:
+# every token within a few natural-log units of the row's maximum, as few units as hold the
+# row's top-p mass and top-k); rows with more than NATIVE_CAP of them take the tiers above.
+NATIVE_CAP = 4096
 
 # (logprob of the sampled token, [(token_id, logprob)] of the top-k) for one row
 RowLogprobs = tuple[float, list[tuple[int, float]]]
@@ -141,16 +145,32 @@ def _candidate_probs(
     """
     vocab = logits.shape[1]
     k = min(k, vocab)
-    top_k, top_p, min_p = _filter_params(params, vocab, logits.device)
     vals, ids = logits.topk(k, dim=1)  # descending
-    column = torch.arange(k, device=logits.device).unsqueeze(0)
-    vals = vals.masked_fill(column >= top_k, -float("inf"))
-    within_k = top_k <= k
-    # as softmax computes it: exp(x - max) over the sum of those (the row's max is vals[:, 0])
-    weights = (vals - vals[:, :1]).exp()
     # (the whole row's sum; exponents clamped at -87, where exp leaves float32's normal range
     # and turns 15x slower: what is lost there is < 1e-33 of the sum)
     full = (logits - vals[:, :1]).clamp_(min=-87.0).exp_().sum(1, keepdim=True)
+    return _filter_candidates(vals, ids, full, params, vocab)
+
+
+def _filter_candidates(
+    vals: torch.Tensor,
+    ids: torch.Tensor,
+    full: torch.Tensor,
+    params: list[SamplingParams],
+    vocab: int,
+    sizes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_candidate_probs' rule over given candidates: vals [rows, K] each row's K largest
+    logits in descending order (the first a row's maximum; -inf past `sizes`, its number of
+    candidates when they are fewer than K), their ids, full [rows, 1] the row's softmax
+    denominator (sum of e^max(x - max, -87))."""
+    k = vals.shape[1]
+    top_k, top_p, min_p = _filter_params(params, vocab, vals.device)
+    column = torch.arange(k, device=vals.device).unsqueeze(0)
+    vals = vals.masked_fill(column >= top_k, -float("inf"))
+    within_k = top_k <= (k if sizes is None else sizes.unsqueeze(1))
+    # as softmax computes it: exp(x - max) over the sum of those (the row's max is vals[:, 0])
+    weights = (vals - vals[:, :1]).exp()
     probs = weights / torch.where(within_k, weights.sum(1, keepdim=True), full)
     cumulative = probs.cumsum(1)
     drop = (cumulative - probs >= top_p) & (top_p < 1.0)
@@ -168,6 +188,15 @@ class Sampler:
         # (logits, limit) -> each row's argmax after _finite_, without the copy: a native pass
         # on CPU (NativeFP8Gather.greedy), for steps whose rows are all plain greedy
         self.greedy: Callable[[torch.Tensor, float], list[int]] | None = None
+        # (scaled logits, top_p, top_k, cap) -> (ids, count, row max, softmax denominator): the
+        # CPU's native candidate pass (NativeFP8Gather.nucleus_candidates), set like greedy
+        self.candidates: (
+            Callable[
+                [torch.Tensor, torch.Tensor, torch.Tensor, int],
+                tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+            ]
+            | None
+        ) = None
 
     def __call__(
         self,
@@ -266,6 +295,11 @@ class Sampler:
         vocab = scaled.shape[1]
         filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
         fits = torch.zeros(len(rows), dtype=torch.bool)
+        if filtered and self.candidates is not None and scaled.device.type == "cpu":
+            for j, token in self._native_candidates(scaled, params, filtered, uniform).items():
+                tokens[rows[j]] = token
+                fits[j] = True
+            filtered = [j for j in filtered if not fits[j]]
         for k in CANDIDATES:
             if not filtered or k >= vocab:
                 break
@@ -289,6 +323,51 @@ class Sampler:
             probs = _probs(part_scaled, [params[j] for j in rest])
             for j, c in zip(rest, _inverse_cdf(probs, uniform[part]).tolist()):
                 tokens[rows[j]] = c
+
+    def _native_candidates(
+        self,
+        scaled: torch.Tensor,
+        params: list[SamplingParams],
+        filtered: list[int],
+        uniform: torch.Tensor,
+    ) -> dict[int, int]:
+        """Sample the `filtered` rows of `scaled` whose support fits among the native pass's
+        candidates; return {row: token} for those (the others are left to the tiers)."""
+        assert self.candidates is not None
+        vocab = scaled.shape[1]
+        part = torch.tensor(filtered, dtype=torch.int64)
+        sub = scaled if len(filtered) == scaled.shape[0] else scaled.index_select(0, part)
+        rows_params = [params[j] for j in filtered]
+        top_k, top_p, _ = _filter_params(rows_params, vocab, scaled.device)
+        ids, count, _, denominator = self.candidates(sub, top_p[:, 0], top_k[:, 0], NATIVE_CAP)
+        chosen: dict[int, int] = {}
+        # rows in two groups by their number of candidates, each padded to its own largest
+        small = (count >= 0) & (count <= CANDIDATES[0])
+        for group in (small, (count > CANDIDATES[0])):
+            at = group.nonzero()[:, 0]
+            if at.numel() == 0:
+                continue
+            size = count[at]
+            width = int(size.max())
+            pad = torch.arange(width).unsqueeze(0) >= size.unsqueeze(1)
+            group_ids = ids[at, :width].masked_fill(pad, 0)
+            flat = (at * vocab).unsqueeze(1) + group_ids  # (no copy of the rows)
+            vals = sub.reshape(-1)[flat].masked_fill(pad, -float("inf"))
+            vals, order = vals.sort(dim=1, descending=True)
+            probs, group_ids, fits = _filter_candidates(
+                vals,
+                group_ids.gather(1, order),
+                denominator[at].unsqueeze(1),
+                [rows_params[i] for i in at.tolist()],
+                vocab,
+                size,
+            )
+            picks = _inverse_cdf(probs, uniform[part[at]])
+            tokens = group_ids.gather(1, picks[:, None])[:, 0].tolist()
+            for i, token, fit in zip(at.tolist(), tokens, fits.tolist()):
+                if fit:
+                    chosen[filtered[i]] = token
+        return chosen
 
 
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

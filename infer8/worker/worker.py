@@ -153,6 +153,7 @@ class Worker:
         )
         if kernels is not None:  # CPU logits (float32 from compute_logits): a native argmax
             self.runner.sampler.greedy = kernels.greedy
+            self.runner.sampler.candidates = kernels.nucleus_candidates
         if device.type == "cuda" and not model_config.enforce_eager and not self.uses_exact_tail:
             self._capture_cuda_graphs()
 

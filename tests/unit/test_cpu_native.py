@@ -532,3 +532,38 @@ def test_causal_attention_matches_sdpa(
         q[None], k[None], v[None], mask, scale=0.125, enable_gqa=True
     )[0]
     assert rel(got) < max(1.5 * rel(sdpa), 1e-3), (rel(got), rel(sdpa))
+
+
+def test_nucleus_candidates_hold_each_rows_top_p_and_top_k_set(native: NativeFP8Gather) -> None:
+    """The sampler's native candidates: every token above the row's smallest candidate (a
+    threshold set, ties included), the row's top-p set and top-k inside it, the softmax's
+    denominator as the torch path computes it; a row with more than `cap` candidates is left
+    to the caller (-1)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 3001  # not a multiple of 8: the scalar tail of each pass
+    x = torch.randn(6, vocab, generator=gen)
+    x[0] *= 8.0  # peaked
+    x[1] *= 0.5  # flat: thousands of tokens within a unit of the maximum
+    x[2, 100:110] = x[2].max() + 3.0  # ten tied maxima
+    x[3, -1] = x[3].max() + 40.0  # one token: the rest more than 32 units down
+    top_p = torch.tensor([0.9, 0.95, 0.5, 0.9, 1.0, 0.3])
+    top_k = torch.tensor([vocab, vocab, vocab, vocab, 50, 7])
+    ids, count, row_max, row_sum = native.nucleus_candidates(x, top_p, top_k, 1024)
+    assert count[1] == -1  # too many for the cap
+    assert torch.equal(row_max, x.amax(1))
+    want_sum = (x - x.amax(1, keepdim=True)).clamp(min=-87.0).exp().sum(1)
+    torch.testing.assert_close(row_sum, want_sum, rtol=1e-5, atol=0)
+    for r in (0, 2, 3, 4, 5):
+        n = int(count[r])
+        assert n > 0
+        chosen = ids[r, :n]
+        assert bool((chosen[1:] > chosen[:-1]).all())  # index order, no repeats
+        smallest = x[r, chosen].min()
+        assert int((x[r] >= smallest).sum()) == n  # a threshold set: ties included
+        probs = torch.softmax(x[r].double(), 0)
+        sorted_probs = probs.sort(descending=True).values
+        nucleus = int(((sorted_probs.cumsum(0) - sorted_probs) < top_p[r]).sum())
+        assert n >= (nucleus if top_p[r] < 1 else 0)
+        assert n >= (int(top_k[r]) if top_k[r] < vocab else 0)
+    assert count[3] == 1 and ids[3, 0] == vocab - 1
+    assert count[2] >= 10 and set(range(100, 110)) <= set(ids[2, : int(count[2])].tolist())

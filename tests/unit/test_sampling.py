@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from infer8.attention.cpu_native import NativeFP8Gather, build_library
 from infer8.sampling_params import SamplingParams
 from infer8.worker.sampler import Sampler, SamplingState
 
@@ -248,6 +250,61 @@ def test_top_p_among_candidates_keeps_the_full_vocabularys_support_and_distribut
     assert calls == [(3, first), (2, second), (1, 0)] * draws  # each row left at its tier
     for row in range(3):
         assert bool((counts[row][expected[row] == 0] == 0).all()), f"row {row}: outside top-p"
+        top = expected[row].topk(3)
+        for p, token in zip(top.values.tolist(), top.indices.tolist()):
+            sigma = math.sqrt(draws * p * (1 - p))
+            assert abs(counts[row, token] - draws * p) < 5 * sigma + 1, (row, token)
+
+
+def test_native_candidates_keep_the_sorted_vocabularys_support_and_distribution(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # On CPU the sampler takes each filtered row's candidates from one native pass: a peaked
+    # row (few candidates), a flatter one (hundreds), one with top-k, and a nearly flat one
+    # (more than the cap: left to the tiers) must each keep the sorted-vocabulary rule's
+    # support and probabilities.
+    import infer8.worker.sampler as sampler_mod
+
+    native = NativeFP8Gather(build_library(tmp_path))
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5000
+    logits = torch.randn(4, vocab, generator=gen)
+    logits[0] *= 4.0
+    logits[2] *= 3.0
+    logits[3] = -0.0001 * torch.arange(vocab)[torch.randperm(vocab, generator=gen)]
+    params = [dict(temperature=0.7, top_p=0.9)] * 2 + [dict(temperature=1.0, top_k=20)]
+    params.append(dict(temperature=0.7, top_p=0.9))
+    expected = []
+    for row, p in zip(logits, params):
+        scaled = row / p["temperature"]
+        if "top_k" in p:
+            scaled = scaled.masked_fill(scaled < scaled.topk(p["top_k"]).values[-1], -math.inf)
+        probs = torch.softmax(scaled, dim=0)
+        sorted_probs, order = probs.sort(descending=True)
+        keep = (sorted_probs.cumsum(0) - sorted_probs) < p.get("top_p", 1.0)
+        kept = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        expected.append(kept / kept.sum())
+    sizes = [int((e > 0).sum()) for e in expected]
+    assert sizes[0] < 20 < sizes[1] < sampler_mod.NATIVE_CAP < sizes[3], sizes
+    tiers: list[int] = []
+    real_candidates = sampler_mod._candidate_probs
+
+    def candidates(x: torch.Tensor, p: list[SamplingParams], k: int) -> tuple:
+        tiers.append(x.shape[0])
+        return real_candidates(x, p, k)
+
+    monkeypatch.setattr(sampler_mod, "_candidate_probs", candidates)
+    sampler = Sampler(torch.device("cpu"), 0)
+    sampler.candidates = native.nucleus_candidates
+    draws = 2000
+    counts = torch.zeros(4, vocab)
+    for _ in range(draws):
+        tokens = sampler(logits, [_state(**p) for p in params], []).token_ids
+        for row, token in enumerate(tokens):
+            counts[row, token] += 1
+    assert set(tiers) == {1}  # only the nearly flat row reached the tiers
+    for row in range(4):
+        assert bool((counts[row][expected[row] == 0] == 0).all()), f"row {row}: outside"
         top = expected[row].topk(3)
         for p, token in zip(top.values.tolist(), top.indices.tolist()):
             sigma = math.sqrt(draws * p * (1 - p))
