@@ -570,22 +570,9 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
     // softmax per query head (probabilities in the model dtype, as the reference casts)
     for (int64_t g = 0; g < group; g++) {
         float* sg = scores + g * len;
-        float m = -INFINITY, sum = 0.0f;
+        const float m = max_of(sg, len);
+        float sum = 0.0f;
         int64_t j = 0;
-        v8f vm = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
-                  -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-        for (; j + 8 <= len; j += 8) {  // lane maxima: no serial compare chain
-            v8f x;
-            memcpy(&x, sg + j, 32);
-            v8i more = x > vm, xb, mb;
-            memcpy(&xb, &x, 32);
-            memcpy(&mb, &vm, 32);
-            mb = (xb & more) | (mb & ~more);
-            memcpy(&vm, &mb, 32);
-        }
-        for (int l = 0; l < 8; l++) m = vm[l] > m ? vm[l] : m;
-        for (; j < len; j++) m = sg[j] > m ? sg[j] : m;
-        j = 0;
         v8f vsum = {0};
         for (; j + 8 <= len; j += 8) {
             v8f x;

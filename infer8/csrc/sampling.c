@@ -21,21 +21,8 @@ void infer8_nucleus_candidates(const float* x, int64_t rows, int64_t n, const fl
 #pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float* row = x + r * n;
-        v8f vm = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
-                  -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-            v8f v;
-            memcpy(&v, row + i, 32);
-            v8i more = v > vm, vb, mb;
-            memcpy(&vb, &v, 32);
-            memcpy(&mb, &vm, 32);
-            mb = (vb & more) | (mb & ~more);
-            memcpy(&vm, &mb, 32);
-        }
-        float m = -INFINITY;
-        for (int l = 0; l < 8; l++) m = vm[l] > m ? vm[l] : m;
-        for (; i < n; i++) m = row[i] > m ? row[i] : m;
+        const float m = max_of(row, n);
+        int64_t i;
         // the denominator, and each half unit's mass and count (tokens 32 or more units down
         // hold under n * e^-32 of the mass: no top_p below 1 needs them)
         float mass[2][BINS] = {{0}}, sum = 0.0f;  // two copies: lanes alternate between

@@ -12,6 +12,28 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 typedef int32_t v4i __attribute__((vector_size(16)));
 
+// The largest of x[0..n) (-inf for none), 8 lanes at a time: no serial compare chain (a float
+// max reduction the compiler leaves scalar without -ffast-math; exact in any order). NaN-free
+// inputs.
+static inline float max_of(const float* x, int64_t n) {
+    v8f vm = {-__builtin_inff(), -__builtin_inff(), -__builtin_inff(), -__builtin_inff(),
+              -__builtin_inff(), -__builtin_inff(), -__builtin_inff(), -__builtin_inff()};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        v8f v;
+        memcpy(&v, x + j, 32);
+        v8i more = v > vm, vb, mb;
+        memcpy(&vb, &v, 32);
+        memcpy(&mb, &vm, 32);
+        mb = (vb & more) | (mb & ~more);
+        memcpy(&vm, &mb, 32);
+    }
+    float m = -__builtin_inff();
+    for (int l = 0; l < 8; l++) m = vm[l] > m ? vm[l] : m;
+    for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    return m;
+}
+
 // e^x for x <= 0 (a softmax's shifted scores), 8 lanes: Cephes' expf (range reduction by
 // ln 2, degree-6 polynomial), ~1 ulp; glibc's scalar expf was a tenth of the kernel's time.
 static inline v8f exp8(v8f x) {
