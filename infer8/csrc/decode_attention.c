@@ -689,7 +689,7 @@ void infer8_quantize_row(const float* v, int64_t d, int is_e5m2, float per_amax,
 void infer8_tail_row(const void* src, int64_t at, int64_t d, int x_f32, int rotate,
                      int block_is_e5m2, float block_per_amax, float e4m3_per_amax,
                      uint8_t* codes, uint16_t* code_scale, uint8_t* res_q, uint16_t* res_scale,
-                     void* tail, void* block);
+                     void* tail, void* block, int64_t o);
 void infer8_hadamard_row(float* v, int64_t d, int x_f32);
 
 // Residual rows of sequence b (K's head h, V's head kvh + h) into the store's slots where
@@ -762,12 +762,13 @@ void infer8_decode_layer(
                 infer8_tail_row(k, b * kv_stride + h * d, d, x_f32, rotate_keys, e5m2,
                                 cache_per_amax, e4m3_per_amax, (uint8_t*)k_cache + slot * d,
                                 k_scale + slot, rk, sk, x_f32 ? (void*)tk : (void*)tv,
-                                x_f32 ? (void*)nk : (void*)bv);
+                                x_f32 ? (void*)nk : (void*)bv, 0);
                 if (!x_f32) load_row(tv, 0, d, 0, tk);
                 infer8_tail_row(v, b * kv_stride + h * d, d, x_f32, rotate_keys && rotate_values,
                                 e5m2, cache_per_amax, e4m3_per_amax,
                                 (uint8_t*)v_cache + slot * d, v_scale + slot, rk + d, sk + 1,
-                                x_f32 ? (void*)(tk + d) : (void*)tv, x_f32 ? (void*)nv : (void*)bv);
+                                x_f32 ? (void*)(tk + d) : (void*)tv, x_f32 ? (void*)nv : (void*)bv,
+                                0);
                 if (!x_f32) load_row(tv, 0, d, 0, tk + d);
                 store_residuals(store, store_scale, store_slots, num_kv_heads, h, d, sink_ids,
                                 sink_slots, num_sinks, b, rk, sk[0], rk + d, sk[1]);

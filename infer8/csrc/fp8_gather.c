@@ -376,16 +376,17 @@ static inline __attribute__((always_inline)) void prefill_row(
     }
 }
 
-// One row of infer8_prefill_tail (src at element `at`; its tail and block values at element 0
-// of theirs): infer8_decode_layer's new rows, inlined with constant d, format and dtype.
+// One row of infer8_prefill_tail and of infer8_decode_layer's new rows (src at element `at`;
+// its tail and block values at element o of theirs): prefill_row inlined with constant d,
+// format and dtype.
 void infer8_tail_row(const void* src, int64_t at, int64_t d, int x_f32, int rotate,
                      int block_is_e5m2, float block_per_amax, float e4m3_per_amax,
                      uint8_t* codes, uint16_t* code_scale, uint8_t* res_q, uint16_t* res_scale,
-                     void* tail, void* block) {
+                     void* tail, void* block, int64_t o) {
     if (d > 512) return;  // the caller checks head_dim
 #define TAIL_ROW(D, E5M2, F32)                                                        \
     prefill_row(src, at, D, F32, rotate, E5M2, block_per_amax, e4m3_per_amax, codes, \
-                code_scale, res_q, res_scale, tail, block, 0)
+                code_scale, res_q, res_scale, tail, block, o)
 #define TAIL_ROWS(D)                                          \
     if (block_is_e5m2) {                                      \
         if (x_f32) TAIL_ROW(D, 1, 1); else TAIL_ROW(D, 1, 0); \
@@ -414,7 +415,6 @@ void infer8_prefill_tail(const void* k, int64_t k_stride, const void* v, int64_t
     for (int64_t t = 0; t < n; t++) {
         for (int64_t side = 0; side < 2; side++) {
             for (int64_t h = 0; h < kvh; h++) {
-                if (d > 512) continue;  // the caller checks head_dim
                 const void* src = side ? v : k;
                 const int64_t at = t * (side ? v_stride : k_stride) + h * d;
                 const int rot = rotate_keys && (side == 0 || rotate_values);
@@ -423,24 +423,9 @@ void infer8_prefill_tail(const void* k, int64_t k_stride, const void* v, int64_t
                 uint8_t* codes = (side ? v_cache : k_cache) + slot * d;
                 uint16_t* code_scale = (side ? v_scale : k_scale) + slot;
                 const int64_t o = ((side * kvh + h) * n + t) * d;
-#define PREFILL_ROW(D, E5M2, F32)                                                              \
-    prefill_row(src, at, D, F32, rot, E5M2, block_per_amax, e4m3_per_amax, codes, code_scale, \
-                res_q + r * d, res_scale + r, tail, block, o)
-#define PREFILL_ROWS(D)                                        \
-    if (block_is_e5m2) {                                       \
-        if (x_f32) PREFILL_ROW(D, 1, 1); else PREFILL_ROW(D, 1, 0); \
-    } else {                                                   \
-        if (x_f32) PREFILL_ROW(D, 0, 1); else PREFILL_ROW(D, 0, 0); \
-    }
-                if (d == 64) {
-                    PREFILL_ROWS(64)
-                } else if (d == 128) {
-                    PREFILL_ROWS(128)
-                } else {
-                    PREFILL_ROWS(d)
-                }
-#undef PREFILL_ROWS
-#undef PREFILL_ROW
+                infer8_tail_row(src, at, d, x_f32, rot, block_is_e5m2, block_per_amax,
+                                e4m3_per_amax, codes, code_scale, res_q + r * d, res_scale + r,
+                                tail, block, o);
             }
         }
     }
