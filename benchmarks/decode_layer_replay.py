@@ -18,6 +18,7 @@ A configuration is KV_DTYPE[:TAIL_TOKENS[:SINK_TOKENS]] (auto or left out: the d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -40,6 +41,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--flush-mib", type=int, default=48)
     parser.add_argument("--lib", action="append", default=[], help="another native build")
+    parser.add_argument(
+        "--cold-inputs",
+        dest="warm_inputs",
+        action="store_false",
+        help="leave q / k / v and the metadata flushed too (by default they are read again)",
+    )
     args = parser.parse_args()
 
     captured: dict[int, tuple] = {}
@@ -92,11 +99,28 @@ def main() -> None:
                 same = torch.equal(got, want)
                 print(f"{args.configs[i]} {name}: output {'identical' if same else 'differs'}")
     flush = torch.zeros(args.flush_mib << 20, dtype=torch.uint8)
+
+    def inputs(a: tuple, k: dict) -> list[torch.Tensor]:  # type: ignore[type-arg]
+        """The call's tensors other than the cache and its store: q / k / v, the table, the
+        lengths, the slots and the step's tail metadata (read by every layer of a step)."""
+        found: list[torch.Tensor] = []
+        for x in (*a, *k.values()):
+            if isinstance(x, torch.Tensor):
+                found.append(x)
+            elif dataclasses.is_dataclass(x) and not hasattr(x, "k_scale"):
+                found += [t for t in vars(x).values() if isinstance(t, torch.Tensor)]
+        return found
+
     times: dict[tuple[int, str], list[float]] = {run: [] for run in runs}
+    order = list(runs)
     for _ in range(args.rounds):
-        for i, name in runs:
+        rng.shuffle(order)  # a call runs faster late in a round (measured): no fixed position
+        for i, name in order:
             self, a, k = captured[i]
             flush.add_(1)
+            if args.warm_inputs:
+                for x in inputs(a, k):
+                    x.sum()  # in cache again, as a step's projections and metadata are
             start = time.perf_counter()
             layer(libs[name] or self, *a, **k)
             times[(i, name)].append(time.perf_counter() - start)

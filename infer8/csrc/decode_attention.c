@@ -10,9 +10,11 @@
 // same source vectorizes for AVX2, AVX-512 or NEON; with AVX512-BF16, a bf16 cache read by bf16
 // queries takes the bf16 dot-product instruction for scores and values (exact products, another
 // summation order), and so do an E4M3 cache's scores (its codes turned into bf16 exactly); with
-// AVX-512, E4M3 values are summed 16 lanes at a time (the same sums). An FP8 cache's per-token
-// scales are requested for all of a task's blocks before they are read (each block's are a line
-// of their own, one memory latency each when read in turn).
+// AVX-512, E4M3 values are summed 16 lanes at a time (the same sums); with AVX512-VBMI, 32
+// codes are widened by one byte permute and a shift or two (each code in both bytes of a word).
+// An FP8 cache's per-token scales are requested for all of a task's blocks before they are read
+// (each block's are a line of their own, one memory latency each when read in turn), and a
+// decode layer's threads claim their next task one ahead to request its first lines early.
 
 #include <math.h>
 #if defined(__F16C__) || defined(__AVX__)
@@ -166,12 +168,41 @@ static inline __attribute__((always_inline)) void value_tile(
         for (int c = 0; c < nc; c++) memcpy(acc + g * d + c0 + 8 * c, &a[g][c], 32);
 }
 
+#ifdef __AVX512VBMI__
+// vpermb's index that puts byte i of 32 in both bytes of word i
+static inline __m512i e4m3_dup_index(void) {
+    return _mm512_set_epi8(
+        31, 31, 30, 30, 29, 29, 28, 28, 27, 27, 26, 26, 25, 25, 24, 24, 23, 23, 22, 22, 21, 21,
+        20, 20, 19, 19, 18, 18, 17, 17, 16, 16, 15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10,
+        9, 9, 8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+}
+#endif
+
 #ifdef __AVX512BF16__
 // 32 E4M3 values / 256 as bf16 bits, exactly: a normal's exponent and mantissa fields shifted
 // into bf16's (bias 127 - 7 - 8 = 112), a subnormal (exponent field 0: m * 2^-9 / 256) from a
 // table of the 8 (vpermw reads the low 5 bits, which are m there), the sign moved to bit 15.
 // E4M3's NaN (0x7f) reads as 1.875 as in load8_as (the cache writes saturate: no NaN is stored).
 static inline __m512bh e4m3x32_as_bf16(const uint8_t* src) {
+#ifdef __AVX512VBMI__
+    // each code in both bytes of its word (one vpermb): the high byte shifted right 4
+    // (arithmetically: the sign lands on bit 15) is sign, exponent and mantissa in bf16's
+    // fields; the low byte still holds the code for the subnormal test and table index
+    const __m512i dup = e4m3_dup_index();
+    const __m512i x = _mm512_permutexvar_epi8(
+        dup, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)src)));
+    // (x >> 4) & 0x87f0 | 112 << 7: the exponent's bias added as bits (no carry: field clear)
+    __m512i r = _mm512_ternarylogic_epi32(_mm512_srai_epi16(x, 4),
+                                          _mm512_set1_epi16((short)0x87f0),
+                                          _mm512_set1_epi16(112 << 7), 0xEA);  // a & b | c
+    const __mmask32 sub = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78));
+    // a subnormal lane holds sign | 112 << 7 | m << 4: xor'ed with that ^ the table's value
+    const __m512i delta = _mm512_set_epi16(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0x0010, 0x0020, 0x0070, 0x0040, 0x0ff0, 0x0fa0, 0x0f10, 0x3800);
+    r = _mm512_xor_si512(r, _mm512_maskz_permutexvar_epi16(sub, x, delta));
+    return (__m512bh)r;
+#else
     const __m512i sub_table = _mm512_set_epi16(
         0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
         0x3860, 0x3840, 0x3820, 0x3800, 0x37c0, 0x3780, 0x3700, 0);
@@ -182,6 +213,7 @@ static inline __m512bh e4m3x32_as_bf16(const uint8_t* src) {
     r = _mm512_mask_permutexvar_epi16(r, sub, x, sub_table);
     r = _mm512_or_si512(r, _mm512_and_si512(_mm512_slli_epi16(x, 8), _mm512_set1_epi16((short)0x8000)));
     return (__m512bh)r;
+#endif
 }
 
 // dot_tile for a bf16 cache (or an E4M3 one: `e4m3`, rows turned into bf16 as value / 256, as
@@ -356,10 +388,26 @@ static inline __attribute__((always_inline)) void e4m3_values_tile(
     __m512 a[MAX_HEADS][8];
     for (int g = 0; g < nh; g++)
         for (int c = 0; c < nc; c++) a[g][c] = _mm512_loadu_ps(acc + g * d + 16 * c);
+#ifdef __AVX512VBMI__
+    const __m512i dup = e4m3_dup_index(), bits = _mm512_set1_epi16((short)0xbf80);
+#else
     const __m256i low7 = _mm256_set1_epi16(0x7f), sign = _mm256_set1_epi16(0x80);
+#endif
     for (int64_t j = 0; j < n; j++) {
         if (j + AHEAD < n) prefetch_row(rows[j + AHEAD], d);
         __m512 vv[8];
+#ifdef __AVX512VBMI__
+        // 32 codes at once, each in both bytes of its word (one vpermb): shifted right 1
+        // (arithmetically), bits 15 and 13..7 are the fp16 of value / 256
+        for (int c = 0; c < nc; c += 2) {
+            const __m512i x = _mm512_permutexvar_epi8(
+                dup, _mm512_castsi256_si512(
+                         _mm256_loadu_si256((const __m256i*)((const uint8_t*)rows[j] + 16 * c))));
+            const __m512i f16 = _mm512_and_si512(_mm512_srai_epi16(x, 1), bits);
+            vv[c] = _mm512_cvtph_ps(_mm512_castsi512_si256(f16));
+            vv[c + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(f16, 1));
+        }
+#else
         for (int c = 0; c < nc; c++) {
             const __m256i h = _mm256_cvtepu8_epi16(
                 _mm_loadu_si128((const __m128i*)((const uint8_t*)rows[j] + 16 * c)));
@@ -367,6 +415,7 @@ static inline __attribute__((always_inline)) void e4m3_values_tile(
                                                 _mm256_slli_epi16(_mm256_and_si256(h, low7), 7));
             vv[c] = _mm512_cvtph_ps(f16);
         }
+#endif
         for (int g = 0; g < nh; g++) {
             const __m512 p = _mm512_set1_ps(w[g * stride + j]);
             for (int c = 0; c < nc; c++) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
@@ -477,6 +526,34 @@ typedef struct {
     int64_t seats, stride, width;
 } decode_params;
 
+// The first lines task (b, h) reads, requested into L2 while the task before it runs: its
+// blocks' FP8 scales, its first block's keys, its residual rows' scales (each a memory latency
+// the task would otherwise wait for in turn).
+static void prefetch_task(const decode_params* p, int64_t b, int64_t h) {
+    const int64_t len = p->seq_lens[b], bs = p->block_size, d = p->d;
+    if (len <= 0) return;
+    const int64_t elem = p->kind == KV_F32 ? 4 : p->kind == KV_BF16 ? 2 : 1;
+    const int64_t* trow = p->table + b * p->table_stride;
+    if (p->kind >= KV_E4M3)
+        for (int64_t j0 = 0; j0 < len; j0 += bs) {
+            const int64_t first = (h * p->num_blocks + trow[j0 / bs]) * bs;
+            __builtin_prefetch(p->k_scale + first, 0, 2);
+            __builtin_prefetch(p->v_scale + first, 0, 2);
+        }
+    const char* k0 = (const char*)p->k_cache + (h * p->num_blocks + trow[0]) * bs * d * elem;
+    const int64_t bytes = (len < bs ? len : bs) * d * elem;
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(k0 + at, 0, 2);
+    if (p->store != NULL && p->width > 0) {
+        const int64_t seat = p->read_rows[b * p->width / p->stride];
+        const int64_t kat = (h * p->seats + seat) * p->stride;
+        const int64_t vat = ((p->num_kv_heads + h) * p->seats + seat) * p->stride;
+        __builtin_prefetch(p->store_scale + kat, 0, 2);
+        __builtin_prefetch(p->store_scale + kat + p->stride - 1, 0, 2);
+        __builtin_prefetch(p->store_scale + vat, 0, 2);
+        __builtin_prefetch(p->store_scale + vat + p->stride - 1, 0, 2);
+    }
+}
+
 // Sequence b's attention for KV head h: qf [group, d] its query heads (floats), newk / newv
 // [d] the newest token's tail values (NULL without a tail: the newest row is read from the
 // cache); acc [group, d] the output, unrounded.
@@ -537,20 +614,24 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
     for (int64_t j0 = 0; j0 < n; j0 += p->block_size) {
         const int64_t first = (h * p->num_blocks + trow[j0 / p->block_size]) * p->block_size;
         const int64_t stop = n - j0 < p->block_size ? n - j0 : p->block_size;
+        // separate loops, each vectorized: the rows' addresses, then their scales
+        const char* kbase = (const char*)p->k_cache + first * d * elem;
+        const char* vbase = (const char*)p->v_cache + first * d * elem;
         for (int64_t off = 0; off < stop; off++) {
-            const int64_t j = j0 + off, slot = first + off;
-            krows[j] = (const char*)p->k_cache + slot * d * elem;
-            vrows[j] = (const char*)p->v_cache + slot * d * elem;
-            ks[j] = is_fp8 ? bf16_to_f32(p->k_scale[slot]) * unit : 1.0f;
-            vs[j] = is_fp8 ? bf16_to_f32(p->v_scale[slot]) * unit : 1.0f;
+            krows[j0 + off] = kbase + off * d * elem;
+            vrows[j0 + off] = vbase + off * d * elem;
+        }
+        if (is_fp8) {
+            const uint16_t *ksc = p->k_scale + first, *vsc = p->v_scale + first;
+            for (int64_t off = 0; off < stop; off++) {
+                ks[j0 + off] = bf16_to_f32(ksc[off]) * unit;
+                vs[j0 + off] = bf16_to_f32(vsc[off]) * unit;
+            }
+        } else {
+            for (int64_t off = 0; off < stop; off++) ks[j0 + off] = vs[j0 + off] = 1.0f;
         }
     }
     for (int64_t j = n; j < len; j++) vs[j] = 1.0f;  // the newest token's tail value
-    for (int64_t i = 0; i < nt; i++) {  // the tail's scales, requested above; E4M3 is
-        // widened as value / 256 (load8_as): the exact 256 goes into the scale
-        tks[i] = bf16_to_f32(p->store_scale[tkat[i]]) * 256.0f;
-        tvs[i] = bf16_to_f32(p->store_scale[tvat[i]]) * 256.0f;
-    }
     const float sm_scale = p->sm_scale;
     // scores (the value rows are requested while the keys are scored)
     score_cached(qf, d, krows, ks, n, kind, group, x_f32, sm_scale, scores, len, vrows);
@@ -561,6 +642,9 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
                      NULL);
     }
     // tail corrections: q.r at each valid tail position, in the cached keys' tiles
+    // the tail's scales, requested in the setup loop and read only now (their lines have
+    // come in meanwhile); E4M3 is widened as value / 256 (load8_as): the 256 goes into them
+    for (int64_t i = 0; i < nt; i++) tks[i] = bf16_to_f32(p->store_scale[tkat[i]]) * 256.0f;
     if (nt > 0) {
         score_cached(qf, d, tkrows, tks, nt, KV_E4M3, group, x_f32, sm_scale, tscores, width,
                      tvrows);
@@ -618,6 +702,7 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
         sum_cached(w + n, len, &fresh, 1, KV_F32, group, acc, d);
     }
     if (nt > 0) {  // p.r at each valid tail position, in the cached values' tiles
+        for (int64_t i = 0; i < nt; i++) tvs[i] = bf16_to_f32(p->store_scale[tvat[i]]) * 256.0f;
         for (int64_t g = 0; g < group; g++)
             for (int64_t i = 0; i < nt; i++)
                 tw[g * width + i] = scores[g * len + tpos[i]] * tvs[i];
@@ -715,14 +800,16 @@ static void store_residuals(uint8_t* store, uint16_t* store_scale, int64_t store
 
 // A whole decode layer's attention for an all-decode batch (token b is sequence b) in one call
 // instead of a dozen: what TorchRefAttention's write_kv then forward do, in their order and
-// with their roundings, in three passes over (sequence, KV head) tasks: (1) the new K/V rows
+// with their roundings, in two passes over (sequence, KV head) tasks: (1) the new K/V rows
 // (x [B, KVH, D] at row stride kv_stride, head stride d) rotated by the Hadamard matrix
 // (rotate_keys; V too with rotate_values), written to the cache at slot_mapping[b] (copied, or
 // quantized with a dynamic scale: cache_per_amax) and, with a tail store (store not NULL),
 // their residuals and tail values (exact_tail.tail_values) and the sink rows stored
 // (sink_ids/slots); (2) the attention of q [B, H, D] (row stride q_stride; rotated with the
-// keys), the output [B, H, D] rotated back with the values; (3) the ring rows stored
-// (ring_ids/slots). Every write lands before any read, as AttentionMetadata requires.
+// keys), the output [B, H, D] rotated back with the values, then (3) the task's ring rows
+// stored (ring_ids/slots: its sequence's own seat, which no other task reads; the slot a new
+// row takes is the oldest position this task has just read). Every write lands before any
+// read of it, as AttentionMetadata requires.
 void infer8_decode_layer(
     const void* q, int64_t q_stride, const void* k, const void* v, int64_t kv_stride,
     const int64_t* slot_mapping, void* k_cache, void* v_cache, uint16_t* k_scale,
@@ -745,6 +832,7 @@ void infer8_decode_layer(
     float* tails = malloc(sizeof(float) * 2 * d * tasks + (2 * d + 4) * tasks);
     uint8_t* residuals = (uint8_t*)(tails + 2 * d * tasks);
     uint16_t* scales = (uint16_t*)(residuals + 2 * d * tasks);
+    int64_t claimed = 0;  // pass (2)'s next task
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -758,18 +846,14 @@ void infer8_decode_layer(
                 float* tk = tails + 2 * d * task;
                 uint8_t* rk = residuals + 2 * d * task;
                 uint16_t* sk = scales + 2 * task;
-                uint16_t tv[512], bv[512];  // bf16 tail values; block values (unused)
+                // tail values as floats (block NULL: no block values)
                 infer8_tail_row(k, b * kv_stride + h * d, d, x_f32, rotate_keys, e5m2,
                                 cache_per_amax, e4m3_per_amax, (uint8_t*)k_cache + slot * d,
-                                k_scale + slot, rk, sk, x_f32 ? (void*)tk : (void*)tv,
-                                x_f32 ? (void*)nk : (void*)bv, 0);
-                if (!x_f32) load_row(tv, 0, d, 0, tk);
+                                k_scale + slot, rk, sk, tk, NULL, 0);
                 infer8_tail_row(v, b * kv_stride + h * d, d, x_f32, rotate_keys && rotate_values,
                                 e5m2, cache_per_amax, e4m3_per_amax,
                                 (uint8_t*)v_cache + slot * d, v_scale + slot, rk + d, sk + 1,
-                                x_f32 ? (void*)(tk + d) : (void*)tv, x_f32 ? (void*)nv : (void*)bv,
-                                0);
-                if (!x_f32) load_row(tv, 0, d, 0, tk + d);
+                                tk + d, NULL, 0);
                 store_residuals(store, store_scale, store_slots, num_kv_heads, h, d, sink_ids,
                                 sink_slots, num_sinks, b, rk, sk[0], rk + d, sk[1]);
                 continue;
@@ -789,8 +873,13 @@ void infer8_decode_layer(
                 store_row((char*)v_cache + slot * d * elem, 0, d, kind == KV_F32, nv);
             }
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) {
+        // (2) tasks claimed one ahead (a dynamic schedule that knows each thread's next
+        // task), whose first lines are requested before this one runs
+        int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (next < tasks) {
+            const int64_t task = next;
+            next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            if (next < tasks) prefetch_task(&p, next / num_kv_heads, next % num_kv_heads);
             const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
             if (d > 512 || seq_lens[b] <= 0) continue;
             float* qf = malloc(sizeof(float) * 2 * group * d);
@@ -807,17 +896,11 @@ void infer8_decode_layer(
             }
             store_row(out, (b * num_heads + h * group) * d, group * d, x_f32, acc);
             free(qf);
-        }
-        if (store != NULL) {
-#pragma omp for schedule(static)
-            for (int64_t task = 0; task < tasks; task++) {
-                const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-                if (d > 512 || seq_lens[b] <= 0) continue;
-                const uint8_t* rk = residuals + 2 * d * task;
-                const uint16_t* sk = scales + 2 * task;
+            if (store != NULL)  // (3) the ring rows, once this task's reads are done
                 store_residuals(store, store_scale, store_slots, num_kv_heads, h, d, ring_ids,
-                                ring_slots, num_rings, b, rk, sk[0], rk + d, sk[1]);
-            }
+                                ring_slots, num_rings, b, residuals + 2 * d * task,
+                                scales[2 * task], residuals + 2 * d * task + d,
+                                scales[2 * task + 1]);
         }
     }
     free(tails);

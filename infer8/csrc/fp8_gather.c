@@ -365,6 +365,10 @@ static inline __attribute__((always_inline)) void prefill_row(
     if (rotate) infer8_hadamard_row(x, d, x_f32);
     residual_row_full(x, d, x_f32, block_is_e5m2, block_per_amax, e4m3_per_amax, res_q,
                       res_scale, tv, codes, code_scale, bv);
+    if (block == NULL) {  // a decode row: its tail values as floats (of the compute dtype)
+        memcpy((float*)tail + o, tv, sizeof(float) * (size_t)d);
+        return;
+    }
     for (int64_t j = 0; j < d; j++) {
         if (x_f32) {
             ((float*)tail)[o + j] = tv[j];
@@ -377,8 +381,8 @@ static inline __attribute__((always_inline)) void prefill_row(
 }
 
 // One row of infer8_prefill_tail and of infer8_decode_layer's new rows (src at element `at`;
-// its tail and block values at element o of theirs): prefill_row inlined with constant d,
-// format and dtype.
+// its tail and block values at element o of theirs; block NULL: no block values, the tail
+// values as floats whatever the dtype): prefill_row inlined with constant d, format and dtype.
 void infer8_tail_row(const void* src, int64_t at, int64_t d, int x_f32, int rotate,
                      int block_is_e5m2, float block_per_amax, float e4m3_per_amax,
                      uint8_t* codes, uint16_t* code_scale, uint8_t* res_q, uint16_t* res_scale,

@@ -234,6 +234,28 @@ def test_decode_attention_scores_every_e4m3_code_as_the_torch_path_does(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_sums_every_e4m3_code_as_its_value(
+    native: NativeFP8Gather, dtype: torch.dtype
+) -> None:
+    """Each E4M3 code, subnormals, signs and zeros included, as a value: a one-token sequence
+    (probability 1) whose value row holds 64 codes returns their values times the row's scale,
+    exactly (every E4M3 value times 2 is a bf16 value); the kernel widens 32 codes at a time."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[torch.isfinite(codes.float())]  # 254: NaNs are never stored
+    rows = torch.cat([codes, codes[: -codes.numel() % 64]]).view(-1, 64)  # 4 rows of 64
+    n, d, bs = rows.shape[0], 64, 16
+    spec = KVCacheSpec(1, 1, d, bs, torch.float8_e4m3fn)
+    cache = allocate_kv_cache(spec, n, torch.device("cpu"))[0]
+    cache.v[0, :, 0] = rows
+    cache.v_scale.fill_(2.0)
+    cache.k_scale.fill_(1.0)
+    q = torch.randn(n, 1, d, dtype=dtype)
+    table, seq_lens = torch.arange(n)[:, None], torch.ones(n, dtype=torch.int64)
+    got = native.decode_attention(q, cache, table, seq_lens, d**-0.5)
+    assert torch.equal(got.float()[:, 0], rows.float() * 2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_reads_the_exact_tail_as_the_torch_path_does(dtype: torch.dtype) -> None:
     """The whole native path (write, tail residuals, fused decode reading the residual store
     in place) against the torch one."""
