@@ -156,6 +156,28 @@ static inline float fp8_round_value(float y, int is_e5m2) {
     return bits_to_float((b < smallest_normal ? float_to_bits(sub) : nor) | sign);
 }
 static inline float bf16_value(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
+// fp8_round_value(y) and float_to_fp8(y) from one rounding (y clamped to the format's max:
+// no saturation case): the rounded value's bits give its code (a normal's exponent rebased and
+// shifted down, a subnormal's grid index from the same magic-number sum).
+static inline float fp8_round_code(float y, int is_e5m2, uint8_t* code) {
+    const int mant = is_e5m2 ? 2 : 3, bias = is_e5m2 ? 15 : 7;
+    uint32_t b = float_to_bits(y);
+    const uint32_t sign = b & 0x80000000u;
+    b ^= sign;
+    const uint32_t magic_bits = (uint32_t)(127 - bias + 23 - mant + 1) << 23;
+    const float magic = bits_to_float(magic_bits);
+    const float summed = bits_to_float(b) + magic;
+    const int shift = 23 - mant;
+    const uint32_t odd = (b >> shift) & 1u;
+    const uint32_t nor = (b + ((1u << (shift - 1)) - 1u) + odd) & ~((1u << shift) - 1u);
+    const uint32_t smallest_normal = (uint32_t)(127 - bias + 1) << 23;
+    const int is_sub = b < smallest_normal;
+    const uint32_t c = is_sub ? float_to_bits(summed) - magic_bits
+                              : (nor - ((uint32_t)(127 - bias) << 23)) >> shift;
+    *code = (uint8_t)((c & 0xFFu) | (sign >> 24));
+    return bits_to_float((is_sub ? float_to_bits(summed - magic) : nor) | sign);
+}
+
 
 // fp8.dynamic_scale: amax * (1 + 2^-7) / format max, at least 1e-12, rounded to bf16.
 static inline uint16_t dynamic_scale(float amax, float per_amax) {
@@ -212,8 +234,7 @@ static inline __attribute__((always_inline)) void residual_row_full(
     const float s1 = bf16_value(s1_bits);
     for (int64_t j = 0; j < d; j++) {  // no reduction inside: the loop vectorizes
         float y = clampf(v[j] / s1, block_max);
-        cb[j] = block_is_e5m2 ? float_to_fp8(y, 1) : float_to_fp8(y, 0);
-        xb[j] = to_dtype(fp8_round_value(y, block_is_e5m2) * s1, x_f32);
+        xb[j] = to_dtype(fp8_round_code(y, block_is_e5m2, cb + j) * s1, x_f32);
         res[j] = v[j] - xb[j];
     }
     if (codes != NULL) {
@@ -227,8 +248,7 @@ static inline __attribute__((always_inline)) void residual_row_full(
     *res_scale = s2_bits;
     for (int64_t j = 0; j < d; j++) {
         const float y = clampf(res[j] / s2, 448.0f);
-        res_q[j] = float_to_fp8(y, 0);
-        tail[j] = to_dtype(xb[j] + to_dtype(fp8_round_value(y, 0) * s2, x_f32), x_f32);
+        tail[j] = to_dtype(xb[j] + to_dtype(fp8_round_code(y, 0, res_q + j) * s2, x_f32), x_f32);
     }
 }
 
