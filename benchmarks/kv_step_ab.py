@@ -7,6 +7,7 @@
     python benchmarks/kv_step_ab.py --dtype auto --prefill-tokens 128 --prefill-prompts 32 \
         auto:0 fp8_e4m3:24                                       # W1's prefill step
     python benchmarks/kv_step_ab.py --dtype auto --w1 6 --batch 64 auto:0 fp8_e4m3:24
+    python benchmarks/kv_step_ab.py --dtype auto --w1 6 --interleave auto:0 fp8_e4m3:24
 
 Each configuration is KV_DTYPE:TAIL_TOKENS[:gather] (`--kv-cache-exact-tail-tokens`; ignored for
 16/32-bit caches); sinks and rotation stay on auto. `gather` turns off the fused native decode
@@ -18,7 +19,9 @@ of N tokens (or `--prefill-prompts` of them, in one step) in turn, 3 times; medi
 (`--w1 ROUNDS`): each engine runs the issue's W1 (64 requests, 128-token prompts, 128 greedy
 output tokens, ignore_eos, 4,096 batched tokens; `--batch` running at most) in turn, ROUNDS
 times after a short warm-up, its cache faulted in first; medians and the median of each
-round's ratio to the first configuration. float32 compute (`--dtype`), the default model.
+round's ratio to the first configuration; `--interleave`: all engines run a round's W1 at
+once, a step each in turn, each timed by the sum of its own steps (this machine's drift over
+a run then falls on every configuration alike). float32 compute (`--dtype`), the default model.
 """
 
 from __future__ import annotations
@@ -97,9 +100,16 @@ def prefill(
 
 
 def w1(
-    configs: list[str], rounds: int, max_num_seqs: int, dtype: str = "float32"
+    configs: list[str],
+    rounds: int,
+    max_num_seqs: int,
+    dtype: str = "float32",
+    interleave: bool = False,
 ) -> list[list[float]]:
-    """Return each configuration's W1 times (seconds), one per round, engines in turn."""
+    """Return each configuration's W1 times (seconds), one per round, engines in turn (or,
+    with `interleave`, all of a round's runs at once, the engines taking a step each in turn:
+    each time is the sum of its engine's steps, so a drift of the machine over a round falls
+    on every configuration alike)."""
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     engines = [_engine(c, max_num_seqs, dtype, 4096) for c in configs]  # the issue's W1
     for e in engines:
@@ -108,6 +118,23 @@ def w1(
             populate.join()
     times: list[list[float]] = [[] for _ in engines]
     for r in range(rounds + 1):  # round 0: a warm-up of 8 requests
+        if interleave:
+            for e in engines:
+                for i in range(64 if r else 8):
+                    e.add_request(
+                        [(r * 131 + i * 7 + j * 13) % 30000 + 100 for j in range(128)], params
+                    )
+            spent = [0.0] * len(engines)
+            while any(e.has_unfinished_requests() for e in engines):
+                for k, e in enumerate(engines):
+                    if e.has_unfinished_requests():
+                        t0 = time.perf_counter()
+                        e.step()
+                        spent[k] += time.perf_counter() - t0
+            if r:
+                for ts, t in zip(times, spent):
+                    ts.append(t)
+            continue
         for e, ts in zip(engines, times):
             for i in range(64 if r else 8):
                 e.add_request(
@@ -129,12 +156,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="compute dtype (auto: bf16 on CPUs "
                         "with bf16 units)")  # fmt: skip
     parser.add_argument("--w1", type=int, default=0, metavar="ROUNDS", help="time W1 instead")
+    parser.add_argument(
+        "--interleave", action="store_true", help="W1: the engines' runs step by step in turn"
+    )
     parser.add_argument("--prefill-prompts", type=int, default=1, help="prompts per prefill")
     parser.add_argument("--batch", type=int, default=0, help="decode batch (default 32) or "
                         "W1's max_num_seqs (default 64)")  # fmt: skip
     ns = parser.parse_args()
     if ns.w1:
-        runs = w1(ns.configs, ns.w1, ns.batch or 64, ns.dtype)
+        runs = w1(ns.configs, ns.w1, ns.batch or 64, ns.dtype, ns.interleave)
         first = statistics.median(runs[0])
         for config, ts in zip(ns.configs, runs):
             m = statistics.median(ts)
