@@ -64,26 +64,30 @@ def _resident_pages(t: torch.Tensor) -> int:
     return sum(v & 1 for v in vec)
 
 
-def _anonymous_bytes(t: torch.Tensor) -> int:
+def _anonymous_bytes(t: torch.Tensor) -> tuple[int, int]:
     """Return the private memory committed to the mapping that holds t (its VMA in
-    /proc/self/smaps: not the process's RSS, which other threads' allocations move)."""
-    at, inside = t.data_ptr(), False
+    /proc/self/smaps: not the process's RSS, which other threads' allocations move) and the
+    bytes of that mapping beyond t's (the kernel may merge it with a neighbouring one)."""
+    at, inside, size = t.data_ptr(), False, 0
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= at < hi
+            inside, size = lo <= at < hi, hi - lo
         elif inside and head == "Anonymous:":
-            return int(line.split()[1]) * 1024
+            extra = max(size - t.numel() * t.element_size(), 0)
+            return int(line.split()[1]) * 1024, extra
     raise AssertionError("no mapping holds the tensor")
 
 
 def test_cpu_cache_tensors_are_zero_and_mapped_on_first_write() -> None:
     t = _zeros((2, 4096, 16, 64), torch.float32, torch.device("cpu"))  # 32 MB
-    assert _anonymous_bytes(t) < (1 << 20)  # nothing committed yet
+    start, neighbour = _anonymous_bytes(t)
+    assert start < (1 << 20) + neighbour  # nothing of t's committed yet
     assert t.shape == (2, 4096, 16, 64) and not t.any()
+    assert _anonymous_bytes(t)[0] - start < (1 << 20)  # read as zeros: still nothing
     t[0, :2048] = 1.0  # half of one layer's K: half of the first of two
-    grown = _anonymous_bytes(t)
+    grown = _anonymous_bytes(t)[0] - start
     assert (7 << 20) < grown < (9 << 20), grown
     view = t[0]
     del t
