@@ -31,6 +31,8 @@ typedef uint16_t v8u16 __attribute__((vector_size(16)));
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
 
+static inline int64_t kv_elem(int kind) { return kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1; }
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t b = (uint32_t)h << 16;
     float f;
@@ -260,7 +262,7 @@ static inline __attribute__((always_inline)) void score_keys(
     int kind, int nh, int x_f32, float sm_scale, float* scores, int64_t len,
     const char* const* also) {
     float dots[MAX_HEADS][MAX_KEYS];
-    const int64_t row_bytes = d * (kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1);
+    const int64_t row_bytes = d * kv_elem(kind);
 #ifdef __AVX512BF16__
     // bf16 queries (their float values are bf16's) against a bf16 cache: the bf16 dot products
     uint16_t qb[MAX_HEADS * 512];
@@ -316,7 +318,7 @@ static inline __attribute__((always_inline)) void sum_values(
     float* acc, int64_t d) {
     // ROWS rows at a time through every tile of the head dim, so that a float32 context
     // longer than the L2 cache is read from memory once, not once per tile
-    const int64_t row_bytes = d * (kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1);
+    const int64_t row_bytes = d * kv_elem(kind);
     for (int64_t j0 = 0; j0 < n; j0 += ROWS) {
         const int64_t m = n - j0 < ROWS ? n - j0 : ROWS;
         for (int64_t j = j0 + AHEAD; j < j0 + AHEAD + m && j < n; j++)
@@ -526,20 +528,32 @@ typedef struct {
     int64_t seats, stride, width;
 } decode_params;
 
+// The FP8 scale lines of the blocks holding a task's first n positions (a line of their own per
+// block: one memory latency each when read in turn), requested at once, into L2 when `ahead`
+// (for a task still to come), else into L1.
+static inline void prefetch_block_scales(const decode_params* p, const int64_t* trow, int64_t h,
+                                         int64_t n, int ahead) {
+    for (int64_t j0 = 0; j0 < n; j0 += p->block_size) {
+        const int64_t first = (h * p->num_blocks + trow[j0 / p->block_size]) * p->block_size;
+        if (ahead) {
+            __builtin_prefetch(p->k_scale + first, 0, 2);
+            __builtin_prefetch(p->v_scale + first, 0, 2);
+        } else {
+            __builtin_prefetch(p->k_scale + first);
+            __builtin_prefetch(p->v_scale + first);
+        }
+    }
+}
+
 // The first lines task (b, h) reads, requested into L2 while the task before it runs: its
 // blocks' FP8 scales, its first block's keys, its residual rows' scales (each a memory latency
 // the task would otherwise wait for in turn).
 static void prefetch_task(const decode_params* p, int64_t b, int64_t h) {
     const int64_t len = p->seq_lens[b], bs = p->block_size, d = p->d;
     if (len <= 0) return;
-    const int64_t elem = p->kind == KV_F32 ? 4 : p->kind == KV_BF16 ? 2 : 1;
+    const int64_t elem = kv_elem(p->kind);
     const int64_t* trow = p->table + b * p->table_stride;
-    if (p->kind >= KV_E4M3)
-        for (int64_t j0 = 0; j0 < len; j0 += bs) {
-            const int64_t first = (h * p->num_blocks + trow[j0 / bs]) * bs;
-            __builtin_prefetch(p->k_scale + first, 0, 2);
-            __builtin_prefetch(p->v_scale + first, 0, 2);
-        }
+    if (p->kind >= KV_E4M3) prefetch_block_scales(p, trow, h, len, 1);
     const char* k0 = (const char*)p->k_cache + (h * p->num_blocks + trow[0]) * bs * d * elem;
     const int64_t bytes = (len < bs ? len : bs) * d * elem;
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(k0 + at, 0, 2);
@@ -561,7 +575,7 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
                         const float* newk, const float* newv, float* acc) {
     const int64_t len = p->seq_lens[b], d = p->d, group = p->group, width = p->width;
     const int kind = p->kind, x_f32 = p->x_f32;
-    const int64_t elem = kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1;
+    const int64_t elem = kv_elem(kind);
     const int is_fp8 = kind >= KV_E4M3;
     // the newest token's tail value replaces its block value: n cached rows are read
     const int64_t n = newk != NULL ? len - 1 : len;
@@ -605,12 +619,7 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
     const int64_t* trow = p->table + b * p->table_stride;
     // E4M3 rows are widened as value / 256 (load8_as): the exact 256 goes into the scale
     const float unit = kind == KV_E4M3 ? 256.0f : 1.0f;
-    if (is_fp8)  // each block's scales are a line of their own: all requested before the reads
-        for (int64_t j0 = 0; j0 < n; j0 += p->block_size) {
-            const int64_t first = (h * p->num_blocks + trow[j0 / p->block_size]) * p->block_size;
-            __builtin_prefetch(p->k_scale + first);
-            __builtin_prefetch(p->v_scale + first);
-        }
+    if (is_fp8) prefetch_block_scales(p, trow, h, n, 0);  // all requested before the reads
     for (int64_t j0 = 0; j0 < n; j0 += p->block_size) {
         const int64_t first = (h * p->num_blocks + trow[j0 / p->block_size]) * p->block_size;
         const int64_t stop = n - j0 < p->block_size ? n - j0 : p->block_size;
@@ -827,7 +836,7 @@ void infer8_decode_layer(
                              store != NULL ? width : 0};
     const int64_t tasks = batch * num_kv_heads, num_heads = num_kv_heads * group;
     const int64_t store_slots = seats * stride;
-    const int64_t elem = kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1;
+    const int64_t elem = kv_elem(kind);
     // per task: the tail values of K and V (floats), their residuals (E4M3) and scales
     float* tails = malloc(sizeof(float) * 2 * d * tasks + (2 * d + 4) * tasks);
     uint8_t* residuals = (uint8_t*)(tails + 2 * d * tasks);

@@ -139,26 +139,12 @@ static inline uint8_t float_to_fp8(float f, int is_e5m2) {
     return (uint8_t)((r & 0xFFu) | (sign >> 24));
 }
 
-// The value float_to_fp8(y) encodes, as a float (y clamped to the format's max): the same
-// rounding (subnormals on the 2^-9 / 2^-16 grid, normal values to 3 / 2 mantissa bits, ties
-// to even) without encoding the code and decoding it again.
-static inline float fp8_round_value(float y, int is_e5m2) {
-    const int mant = is_e5m2 ? 2 : 3, bias = is_e5m2 ? 15 : 7;
-    uint32_t b = float_to_bits(y);
-    const uint32_t sign = b & 0x80000000u;
-    b ^= sign;
-    const float magic = bits_to_float((uint32_t)(127 - bias + 23 - mant + 1) << 23);
-    const float sub = (bits_to_float(b) + magic) - magic;
-    const int shift = 23 - mant;
-    const uint32_t odd = (b >> shift) & 1u;
-    const uint32_t nor = (b + ((1u << (shift - 1)) - 1u) + odd) & ~((1u << shift) - 1u);
-    const uint32_t smallest_normal = (uint32_t)(127 - bias + 1) << 23;
-    return bits_to_float((b < smallest_normal ? float_to_bits(sub) : nor) | sign);
-}
 static inline float bf16_value(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
-// fp8_round_value(y) and float_to_fp8(y) from one rounding (y clamped to the format's max:
-// no saturation case): the rounded value's bits give its code (a normal's exponent rebased and
-// shifted down, a subnormal's grid index from the same magic-number sum).
+
+// float_to_fp8(y) and the value it encodes, as a float, from one rounding (y clamped to the
+// format's max: no saturation case; subnormals on the 2^-9 / 2^-16 grid, normal values to 3 / 2
+// mantissa bits, ties to even): the rounded value's bits give its code (a normal's exponent
+// rebased and shifted down, a subnormal's grid index from the same magic-number sum).
 static inline float fp8_round_code(float y, int is_e5m2, uint8_t* code) {
     const int mant = is_e5m2 ? 2 : 3, bias = is_e5m2 ? 15 : 7;
     uint32_t b = float_to_bits(y);
@@ -177,7 +163,6 @@ static inline float fp8_round_code(float y, int is_e5m2, uint8_t* code) {
     *code = (uint8_t)((c & 0xFFu) | (sign >> 24));
     return bits_to_float((is_sub ? float_to_bits(summed - magic) : nor) | sign);
 }
-
 
 // fp8.dynamic_scale: amax * (1 + 2^-7) / format max, at least 1e-12, rounded to bf16.
 static inline uint16_t dynamic_scale(float amax, float per_amax) {
