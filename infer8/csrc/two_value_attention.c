@@ -106,7 +106,10 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                 const int64_t i = qb * QB + r / HB, g = hb * HB + r % HB;
                 qi[r] = i < q_len ? i : q_len - 1;
                 const int64_t h = kvh * group + (g < group ? g : group - 1);
-                for (int64_t c = 0; c < d; c++) qbuf[r * d + c] = ld1(q, qi[r] * q_tok + h * q_head + c, bf16);
+                for (int64_t c = 0; c < d; c += 8) {  // d a multiple of 8
+                    const v8f x = ld8(q, qi[r] * q_tok + h * q_head + c, bf16);
+                    memcpy(qbuf + r * d + c, &x, 32);
+                }
                 if (rotate_q) infer8_hadamard_row(qbuf + r * d, d, !bf16);
                 qr[r] = qbuf + r * d;
                 pos[r] = q_start + qi[r];

@@ -378,7 +378,7 @@ def test_decode_layer_without_a_tail_matches_the_separate_calls(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 4])  # whole 8-lane vectors, or the scalar butterflies
+@pytest.mark.parametrize("d", [128, 64, 4])  # in registers (AVX-512), or the scalar butterflies
 def test_rotate_is_the_hadamard_matmul(native: NativeFP8Gather, dtype: torch.dtype, d: int) -> None:
     """The fast Walsh-Hadamard transform of strided rows equals x @ H to float32 rounding."""
     from infer8.attention.exact_tail import hadamard, rotate
@@ -388,8 +388,12 @@ def test_rotate_is_the_hadamard_matmul(native: NativeFP8Gather, dtype: torch.dty
     k = qkv[:, 9:]  # a view of a fused projection: strided rows
     got, want = native.rotate(k), rotate(k, hadamard(d))
     assert got.is_contiguous() and got.dtype == dtype
-    err = (got.float() - want.float()).abs().max().item()  # bf16: 0 (rounded the same way)
-    assert err <= 1e-6 * want.float().abs().max().item(), err
+    if dtype == torch.bfloat16:  # float32 sums in another order, then one rounding to bf16:
+        # at most one unit in the last place (2^-7 of the value)
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
+    else:
+        err = (got - want).abs().max().item()
+        assert err <= 1e-6 * want.abs().max().item(), err
     back = native.rotate(native.rotate(k.float()))  # H is its own inverse
     torch.testing.assert_close(back, k.float(), atol=1e-5, rtol=0)
 
