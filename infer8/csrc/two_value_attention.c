@@ -20,11 +20,43 @@ typedef uint8_t v8u8 __attribute__((vector_size(8)));
 
 void infer8_hadamard_row(float* v, int64_t d, int x_f32);  // hadamard.c
 
+// 8 x 8 floats transposed in registers (r[j][i] -> r[i][j]): three rounds of two-source
+// shuffles.
+static inline __attribute__((always_inline)) void transpose8(v8f r[8]) {
+    const v8i lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
+    const v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8i lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8f a[8], b[8];
+    for (int i = 0; i < 4; i++) {  // pairs of rows: columns {0, 1, 4, 5} and {2, 3, 6, 7}
+        a[2 * i] = __builtin_shuffle(r[2 * i], r[2 * i + 1], lo);
+        a[2 * i + 1] = __builtin_shuffle(r[2 * i], r[2 * i + 1], hi);
+    }
+    for (int i = 0; i < 2; i++)  // fours of rows: columns {c, c + 4}
+        for (int h = 0; h < 2; h++) {
+            b[4 * i + 2 * h] = __builtin_shuffle(a[4 * i + h], a[4 * i + 2 + h], lo2);
+            b[4 * i + 2 * h + 1] = __builtin_shuffle(a[4 * i + h], a[4 * i + 2 + h], hi2);
+        }
+    for (int i = 0; i < 4; i++) {
+        r[i] = __builtin_shuffle(b[i], b[4 + i], lo4);
+        r[4 + i] = __builtin_shuffle(b[i], b[4 + i], hi4);
+    }
+}
+
 // kt [tiles][d][8]: keys 8t .. 8t + 7 of one KV head (k [n, d]), transposed; zero past n.
+// Whole tiles 8 x 8 elements at a time in registers, the last partial one element-wise.
 static void transpose_keys(const void* k, int64_t n, int64_t d, int bf16, float* kt) {
     const int64_t tiles = (n + 7) / 8;
     for (int64_t t = 0; t < tiles; t++) {
         float* dst = kt + t * d * 8;
+        if (t * 8 + 8 <= n) {  // d is a multiple of 8
+            for (int64_t c0 = 0; c0 < d; c0 += 8) {
+                v8f r[8];
+                for (int j = 0; j < 8; j++) r[j] = ld8(k, (t * 8 + j) * d + c0, bf16);
+                transpose8(r);
+                for (int i = 0; i < 8; i++) memcpy(dst + (c0 + i) * 8, &r[i], 32);
+            }
+            continue;
+        }
         for (int64_t j = 0; j < 8; j++) {
             const int64_t key = t * 8 + j;
             for (int64_t c = 0; c < d; c++) dst[c * 8 + j] = key < n ? ld1(k, key * d + c, bf16) : 0.0f;
