@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "hadamard.h"
 #include "simd.h"
 
 static inline float bits_to_float(uint32_t b) {
@@ -385,6 +386,116 @@ static inline __attribute__((always_inline)) void prefill_row(
     }
 }
 
+#ifdef __AVX512F__
+// prefill_row for d = 16 R (R = 4 or 8, a constant after inlining) with the row in registers
+// from its load to its stores: the rotation (hadamard_regs), the block's and the residual's
+// quantization (fp8_round_code, clampf, to_dtype on 16 lanes: the same operations, so the same
+// bits), no arrays between the steps.
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+
+static inline v16f select16(v16i mask, v16f a, v16f b) {  // mask ? a : b, lane by lane
+    return (v16f)((mask & (v16i)a) | (~mask & (v16i)b));
+}
+
+static inline v16f clamp16(v16f x, float m) {  // clampf
+    x = select16(x < -m, (v16f){} - m, x);
+    return select16(x > m, (v16f){} + m, x);
+}
+
+static inline v16f to_dtype16(v16f f, int out_f32) {  // to_dtype: rounded to bf16 precision
+    if (out_f32) return f;
+    v16u b = (v16u)f;
+    b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+    return (v16f)b;
+}
+
+static inline v16f round_code16(v16f y, int is_e5m2, v16u* code) {  // fp8_round_code
+    const int mant = is_e5m2 ? 2 : 3, bias = is_e5m2 ? 15 : 7;
+    v16u b = (v16u)y;
+    const v16u sign = b & 0x80000000u;
+    b ^= sign;
+    const uint32_t magic_bits = (uint32_t)(127 - bias + 23 - mant + 1) << 23;
+    const float magic = bits_to_float(magic_bits);
+    const v16f summed = (v16f)b + magic;
+    const int shift = 23 - mant;
+    const v16u odd = (b >> shift) & 1u;
+    const v16u nor = (b + ((1u << (shift - 1)) - 1u) + odd) & ~((1u << shift) - 1u);
+    const uint32_t smallest_normal = (uint32_t)(127 - bias + 1) << 23;
+    const v16i is_sub = (v16i)(b < smallest_normal);
+    const v16u c = (v16u)select16(is_sub, (v16f)((v16u)summed - magic_bits),
+                                  (v16f)((nor - ((uint32_t)(127 - bias) << 23)) >> shift));
+    *code = (c & 0xffu) | (sign >> 24);
+    return (v16f)((v16u)select16(is_sub, summed - magic, (v16f)nor) | sign);
+}
+
+static inline float abs_max16(const v16f* x, int r) {
+    v16u m = {0};
+#pragma GCC unroll 8
+    for (int i = 0; i < r; i++) {
+        const v16u a = (v16u)x[i] & 0x7fffffffu;  // finite: the integer order is the float one
+        m = (v16u)select16((v16i)(a > m), (v16f)a, (v16f)m);
+    }
+    uint32_t out = 0;
+    for (int l = 0; l < 16; l++) out = m[l] > out ? m[l] : out;
+    return bits_to_float(out);
+}
+
+static inline __attribute__((always_inline)) void prefill_row_zmm(
+    const void* src, int64_t at, int r, int x_f32, int rotate, int block_is_e5m2,
+    float block_per_amax, float e4m3_per_amax, uint8_t* codes, uint16_t* code_scale,
+    uint8_t* res_q, uint16_t* res_scale, void* tail, void* block, int64_t o) {
+    v16f x[8], xb[8], res[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < r; i++) {
+        if (x_f32) {
+            memcpy(&x[i], (const float*)src + at + 16 * i, 64);
+        } else {
+            v16u16 h;
+            memcpy(&h, (const uint16_t*)src + at + 16 * i, 32);
+            x[i] = (v16f)(__builtin_convertvector(h, v16u) << 16);
+        }
+    }
+    if (rotate) hadamard_regs((__m512*)x, r, x_f32);
+    const float block_max = block_is_e5m2 ? 57344.0f : 448.0f;
+    const uint16_t s1_bits = dynamic_scale(abs_max16(x, r), block_per_amax);
+    const float s1 = bf16_value(s1_bits);
+#pragma GCC unroll 8
+    for (int i = 0; i < r; i++) {
+        v16u c;
+        const v16f y = clamp16(x[i] / s1, block_max);
+        xb[i] = to_dtype16(round_code16(y, block_is_e5m2, &c) * s1, x_f32);
+        res[i] = x[i] - xb[i];
+        const v16u8 c8 = __builtin_convertvector(c, v16u8);
+        memcpy(codes + 16 * i, &c8, 16);
+    }
+    *code_scale = s1_bits;
+    const uint16_t s2_bits = dynamic_scale(abs_max16(res, r), e4m3_per_amax);
+    const float s2 = bf16_value(s2_bits);
+    *res_scale = s2_bits;
+#pragma GCC unroll 8
+    for (int i = 0; i < r; i++) {
+        v16u c;
+        const v16f y = clamp16(res[i] / s2, 448.0f);
+        const v16f tv = to_dtype16(xb[i] + to_dtype16(round_code16(y, 0, &c) * s2, x_f32), x_f32);
+        const v16u8 c8 = __builtin_convertvector(c, v16u8);
+        memcpy(res_q + 16 * i, &c8, 16);
+        if (block == NULL || x_f32) {  // floats (a decode row's tail: always)
+            memcpy((float*)tail + o + 16 * i, &tv, 64);
+            if (block != NULL) memcpy((float*)block + o + 16 * i, &xb[i], 64);
+        } else {  // bf16 bits: both already hold bf16 values
+            const v16u16 t16 = __builtin_convertvector((v16u)tv >> 16, v16u16);
+            const v16u16 b16 = __builtin_convertvector((v16u)xb[i] >> 16, v16u16);
+            memcpy((uint16_t*)tail + o + 16 * i, &t16, 32);
+            memcpy((uint16_t*)block + o + 16 * i, &b16, 32);
+        }
+    }
+}
+#endif
+
 // One row of infer8_prefill_tail and of infer8_decode_layer's new rows (src at element `at`;
 // its tail and block values at element o of theirs; block NULL: no block values, the tail
 // values as floats whatever the dtype): prefill_row inlined with constant d, format and dtype.
@@ -393,6 +504,27 @@ void infer8_tail_row(const void* src, int64_t at, int64_t d, int x_f32, int rota
                      uint8_t* codes, uint16_t* code_scale, uint8_t* res_q, uint16_t* res_scale,
                      void* tail, void* block, int64_t o) {
     if (d > 512) return;  // the caller checks head_dim
+#ifdef __AVX512F__
+#define ZMM_ROW(R, E5M2, F32)                                                             \
+    prefill_row_zmm(src, at, R, F32, rotate, E5M2, block_per_amax, e4m3_per_amax, codes, \
+                    code_scale, res_q, res_scale, tail, block, o)
+#define ZMM_ROWS(R)                                         \
+    if (block_is_e5m2) {                                    \
+        if (x_f32) ZMM_ROW(R, 1, 1); else ZMM_ROW(R, 1, 0); \
+    } else {                                                \
+        if (x_f32) ZMM_ROW(R, 0, 1); else ZMM_ROW(R, 0, 0); \
+    }
+    if (d == 64) {
+        ZMM_ROWS(4)
+        return;
+    }
+    if (d == 128) {
+        ZMM_ROWS(8)
+        return;
+    }
+#undef ZMM_ROWS
+#undef ZMM_ROW
+#endif
 #define TAIL_ROW(D, E5M2, F32)                                                        \
     prefill_row(src, at, D, F32, rotate, E5M2, block_per_amax, e4m3_per_amax, codes, \
                 code_scale, res_q, res_scale, tail, block, o)

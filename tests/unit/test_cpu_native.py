@@ -115,7 +115,7 @@ def test_write_fp8_stores_what_the_torch_write_stores(
 @pytest.mark.parametrize("hadamard", [True, False])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("d", [64, 32])  # the inlined head_dim 64, and another
+@pytest.mark.parametrize("d", [128, 64, 32])  # in registers (AVX-512: 128, 64), and the loop
 def test_prefill_tail_is_the_write_and_the_tail_values_bit_for_bit(
     cache_dtype: torch.dtype, x_dtype: torch.dtype, hadamard: bool, d: int
 ) -> None:
