@@ -2,7 +2,8 @@
 
 Chunked prefill (a chunk longer than the exact tail's ring), decodes, a sink written by a
 decode (a prompt shorter than the sinks), a prefix-cache hit that reads another request's sinks
-and its own quantized positions before the hit: what the exact tail's kernels must agree on
+and its own quantized positions before the hit, a fresh prompt in a step of decodes: what the
+exact tail's kernels must agree on
 (tests/gpu/test_triton_tail.py, tests/unit/test_cpu_native.py).
 """
 
@@ -28,6 +29,7 @@ SCHEDULE = {
     "D": (0, [3, 1, 1, 1, 1]),  # decodes at positions 3 < SINKS write a sink
     "E": (0, [0, 10, 30, 1, 1]),  # a 30-token chunk overwrites its whole ring
     "B": (2, [0, 0, 12, 1, 1]),  # hits A's first 32 tokens: A's sinks, quantized [26, 32)
+    "F": (0, [0, 0, 0, 9, 1]),  # a fresh prompt beside decodes only (rotated in its own call)
 }
 
 

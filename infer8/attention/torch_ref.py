@@ -237,13 +237,10 @@ class TorchRefAttention:
             for i in meta.prefill_seq_ids
             if starts[i + 1] - starts[i] == lens[i] <= self.dense_tail_max_len
         }
-        # a step of fresh prompts only (W1's prefill steps): q and the output are rotated
-        # inside their attention calls instead of in two passes of their own
-        in_kernel = (
-            cache.k_rotation is not None
-            and not meta.decode_seq_ids
-            and len(fresh_ids) == len(meta.prefill_seq_ids)
-        )
+        # every prefill chunk a fresh prompt (W1's prefill steps, with or without decodes):
+        # their q and output rows are rotated inside their attention calls, the decode rows'
+        # alone (_attend), instead of every row in two passes of their own
+        in_kernel = cache.k_rotation is not None and len(fresh_ids) == len(meta.prefill_seq_ids)
         if cache.k_rotation is not None and not in_kernel:
             q = self._rotate(q, cache.k_rotation)
         native.write_store(store, residual, tail.sink_write_token_ids, tail.sink_write_slots)
@@ -507,13 +504,17 @@ class TorchRefAttention:
         """Attend q's decode rows and prefill chunks; with `fresh` (this step's block and tail
         values of K and V, [2, kvh, n, d] each, and the prefill sequences computed whole in
         this step), those prompts attend over the step's values without reading their blocks
-        back, their q and output rotated in that call as `rotate` (q, output) asks."""
+        back, their q and output rotated in that call as `rotate` (q, output) asks, and the
+        decode rows' q and output here."""
         out = torch.zeros_like(q)
         dtype = q.dtype
         tail = meta.tail
         residuals = None
         native_decode = self._native is not None and self._native.decode_supported(cache, dtype)
-        if tail is not None and (meta.prefill_seq_ids or not native_decode):
+        all_fresh = fresh is not None and len(fresh[2]) == len(meta.prefill_seq_ids)
+        # the dequantized store rows: for chunks after cached positions, and for decode rows
+        # when the native decode (which reads the store itself) does not run
+        if tail is not None and ((meta.prefill_seq_ids and not all_fresh) or not native_decode):
             # the native decode reads the store itself: dequantized rows for the rest
             assert cache.kv_tail is not None
             kv_res = self._read_tail_store(cache.kv_tail, tail.read_rows, dtype)
@@ -524,7 +525,14 @@ class TorchRefAttention:
             decode_kv = new_kv
             if new_kv is not None and len(meta.decode_seq_ids) != q.shape[0]:
                 decode_kv = (new_kv[0][ids], new_kv[1][ids])
-            o = self._decode(q[ids], cache, meta, scale, decode_kv, residuals)
+            qd = q[ids]
+            if rotate[0]:  # as the prefill chunks' calls rotate theirs
+                assert cache.k_rotation is not None
+                qd = self._rotate(qd, cache.k_rotation)
+            o = self._decode(qd, cache, meta, scale, decode_kv, residuals)
+            if rotate[1]:
+                assert cache.k_rotation is not None
+                o = self._rotate(o, cache.k_rotation)
             if len(meta.decode_seq_ids) == q.shape[0]:
                 return o  # an all-decode batch: token i is sequence i
             out[ids] = o

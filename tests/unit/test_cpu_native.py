@@ -334,11 +334,12 @@ def test_decode_layer_is_the_write_then_the_attention_bit_for_bit(
         store, want_store = got_cache.kv_tail, want_cache.kv_tail
         assert torch.equal(store[0].view(torch.uint8), want_store[0].view(torch.uint8)), step
         assert torch.equal(store[1], want_store[1]), step
-    assert len(calls) == 2  # the schedule's two all-decode steps
-    # the three steps with prefill chunks in one pass each; the fresh prompts (A's 20 tokens,
-    # D's 3, E's 10) attend over that pass's values, the later chunks over their blocks
-    assert len(prefill_calls) == 3
-    assert [n for n, _, _ in fresh] == [20, 3, 10]
+    assert len(calls) == 1  # the schedule's all-decode step
+    # the four steps with prefill chunks in one pass each; the fresh prompts (A's 20 tokens,
+    # D's 3, E's 10, F's 9 beside four decodes) attend over that pass's values, the later
+    # chunks over their blocks
+    assert len(prefill_calls) == 4
+    assert [n for n, _, _ in fresh] == [20, 3, 10, 9]
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
