@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hadamard.h"
 #include "simd.h"
 
 typedef uint8_t v8u8 __attribute__((vector_size(8)));
@@ -784,7 +785,6 @@ void infer8_tail_row(const void* src, int64_t at, int64_t d, int x_f32, int rota
                      int block_is_e5m2, float block_per_amax, float e4m3_per_amax,
                      uint8_t* codes, uint16_t* code_scale, uint8_t* res_q, uint16_t* res_scale,
                      void* tail, void* block, int64_t o);
-void infer8_hadamard_row(float* v, int64_t d, int x_f32);
 
 // Residual rows of sequence b (K's head h, V's head kvh + h) into the store's slots where
 // ids[i] == b: exact_tail.write_store for one (sequence, KV head).
@@ -894,14 +894,13 @@ void infer8_decode_layer(
             float* qf = malloc(sizeof(float) * 2 * group * d);
             float* acc = qf + group * d;
             load_row(q, b * q_stride + h * group * d, group * d, x_f32, qf);
-            if (rotate_keys)
-                for (int64_t g = 0; g < group; g++) infer8_hadamard_row(qf + g * d, d, x_f32);
+            if (rotate_keys) hadamard_rows_inline(qf, group, d, d, x_f32);
             const float* tk = store != NULL ? tails + 2 * d * task : NULL;
             attend_task(&p, b, h, qf, tk, tk != NULL ? tk + d : NULL, acc);
             if (rotate_keys && rotate_values) {  // the output rounded, then rotated back
                 if (!x_f32)
                     for (int64_t i = 0; i < group * d; i++) acc[i] = round_bf16(acc[i]);
-                for (int64_t g = 0; g < group; g++) infer8_hadamard_row(acc + g * d, d, x_f32);
+                hadamard_rows_inline(acc, group, d, d, x_f32);
             }
             store_row(out, (b * num_heads + h * group) * d, group * d, x_f32, acc);
             free(qf);

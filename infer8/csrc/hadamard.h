@@ -81,4 +81,37 @@ static inline __attribute__((always_inline)) void hadamard_zmm(float* v, int r, 
 }
 #endif
 
+void infer8_hadamard_row(float* v, int64_t d, int x_f32);  // hadamard.c
+
+// infer8_hadamard_row on `rows` rows of d floats, `stride` apart, in place; at d = 64 two rows
+// at a time in registers (independent chains the core overlaps: a task's few query or output
+// rows otherwise wait on one transform's latency after another).
+static inline void hadamard_rows_inline(float* v, int64_t rows, int64_t stride, int64_t d,
+                                        int x_f32) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    if (d == 64) {
+        for (; i + 2 <= rows; i += 2) {
+            __m512 x[8];
+            for (int j = 0; j < 4; j++) {
+                x[j] = _mm512_loadu_ps(v + i * stride + 16 * j);
+                x[4 + j] = _mm512_loadu_ps(v + (i + 1) * stride + 16 * j);
+            }
+            if (x_f32) {
+                hadamard_regs(x, 4, 1);
+                hadamard_regs(x + 4, 4, 1);
+            } else {
+                hadamard_regs(x, 4, 0);
+                hadamard_regs(x + 4, 4, 0);
+            }
+            for (int j = 0; j < 4; j++) {
+                _mm512_storeu_ps(v + i * stride + 16 * j, x[j]);
+                _mm512_storeu_ps(v + (i + 1) * stride + 16 * j, x[4 + j]);
+            }
+        }
+    }
+#endif
+    for (; i < rows; i++) infer8_hadamard_row(v + i * stride, d, x_f32);
+}
+
 #endif

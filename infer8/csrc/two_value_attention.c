@@ -12,13 +12,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hadamard.h"
 #include "simd.h"
 
 enum { QB = 4, HB = 3, ROWS = QB * HB, CHUNKS = 4 };  // a task's rows: QB queries x HB heads
 
 typedef uint8_t v8u8 __attribute__((vector_size(8)));
-
-void infer8_hadamard_row(float* v, int64_t d, int x_f32);  // hadamard.c
 
 // 8 x 8 floats transposed in registers (r[j][i] -> r[i][j]): three rounds of two-source
 // shuffles.
@@ -142,10 +141,10 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                     const v8f x = ld8(q, qi[r] * q_tok + h * q_head + c, bf16);
                     memcpy(qbuf + r * d + c, &x, 32);
                 }
-                if (rotate_q) infer8_hadamard_row(qbuf + r * d, d, !bf16);
                 qr[r] = qbuf + r * d;
                 pos[r] = q_start + qi[r];
             }
+            if (rotate_q) hadamard_rows_inline(qbuf, ROWS, d, d, !bf16);
             const int64_t last = pos[ROWS - 1] < n - 1 ? pos[ROWS - 1] : n - 1;
             const float* kt1 = kt + kvh * tiles * d * 8;
             const float* kt2 = kt + ((sides - 1) * num_kv_heads + kvh) * tiles * d * 8;
@@ -244,9 +243,10 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                     }
                     c0 += 8 * nc;
                 }
-                for (int h = 0; rotate_out && h < HB && hb * HB + h < group; h++) {
+                const int64_t heads = group - hb * HB < HB ? group - hb * HB : HB;
+                if (rotate_out) hadamard_rows_inline(obuf, heads, d, d, !bf16);
+                for (int h = 0; rotate_out && h < heads; h++) {
                     const int64_t o = i * o_tok + (kvh * group + hb * HB + h) * o_head;
-                    infer8_hadamard_row(obuf + h * d, d, !bf16);
                     for (int64_t c = 0; c < d; c += 8) {
                         v8f y;
                         memcpy(&y, obuf + h * d + c, 32);
