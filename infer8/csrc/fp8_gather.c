@@ -503,42 +503,32 @@ void infer8_tail_row(const void* src, int64_t at, int64_t d, int x_f32, int rota
                      uint8_t* codes, uint16_t* code_scale, uint8_t* res_q, uint16_t* res_scale,
                      void* tail, void* block, int64_t o) {
     if (d > 512) return;  // the caller checks head_dim
+    // FN(size) with a constant format and dtype: prefill_row_zmm takes registers, prefill_row d
+#define TAIL_ROW(FN, N, E5M2, F32)                                                  \
+    FN(src, at, N, F32, rotate, E5M2, block_per_amax, e4m3_per_amax, codes, code_scale, \
+       res_q, res_scale, tail, block, o)
+#define TAIL_ROWS(FN, N)                                                  \
+    if (block_is_e5m2) {                                                  \
+        if (x_f32) TAIL_ROW(FN, N, 1, 1); else TAIL_ROW(FN, N, 1, 0);     \
+    } else {                                                              \
+        if (x_f32) TAIL_ROW(FN, N, 0, 1); else TAIL_ROW(FN, N, 0, 0);     \
+    }
 #ifdef __AVX512F__
-#define ZMM_ROW(R, E5M2, F32)                                                             \
-    prefill_row_zmm(src, at, R, F32, rotate, E5M2, block_per_amax, e4m3_per_amax, codes, \
-                    code_scale, res_q, res_scale, tail, block, o)
-#define ZMM_ROWS(R)                                         \
-    if (block_is_e5m2) {                                    \
-        if (x_f32) ZMM_ROW(R, 1, 1); else ZMM_ROW(R, 1, 0); \
-    } else {                                                \
-        if (x_f32) ZMM_ROW(R, 0, 1); else ZMM_ROW(R, 0, 0); \
-    }
-    if (d == 64) {
-        ZMM_ROWS(4)
+    if (d == 64 || d == 128) {
+        if (d == 64) {
+            TAIL_ROWS(prefill_row_zmm, 4)
+        } else {
+            TAIL_ROWS(prefill_row_zmm, 8)
+        }
         return;
     }
-    if (d == 128) {
-        ZMM_ROWS(8)
-        return;
-    }
-#undef ZMM_ROWS
-#undef ZMM_ROW
 #endif
-#define TAIL_ROW(D, E5M2, F32)                                                        \
-    prefill_row(src, at, D, F32, rotate, E5M2, block_per_amax, e4m3_per_amax, codes, \
-                code_scale, res_q, res_scale, tail, block, o)
-#define TAIL_ROWS(D)                                          \
-    if (block_is_e5m2) {                                      \
-        if (x_f32) TAIL_ROW(D, 1, 1); else TAIL_ROW(D, 1, 0); \
-    } else {                                                  \
-        if (x_f32) TAIL_ROW(D, 0, 1); else TAIL_ROW(D, 0, 0); \
-    }
     if (d == 64) {
-        TAIL_ROWS(64)
+        TAIL_ROWS(prefill_row, 64)
     } else if (d == 128) {
-        TAIL_ROWS(128)
+        TAIL_ROWS(prefill_row, 128)
     } else {
-        TAIL_ROWS(d)
+        TAIL_ROWS(prefill_row, d)
     }
 #undef TAIL_ROWS
 #undef TAIL_ROW
