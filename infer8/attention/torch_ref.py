@@ -515,7 +515,6 @@ class TorchRefAttention:
         # the dequantized store rows: for chunks after cached positions, and for decode rows
         # when the native decode (which reads the store itself) does not run
         if tail is not None and ((meta.prefill_seq_ids and not all_fresh) or not native_decode):
-            # the native decode reads the store itself: dequantized rows for the rest
             assert cache.kv_tail is not None
             kv_res = self._read_tail_store(cache.kv_tail, tail.read_rows, dtype)
             num_kv_heads = kv_res.shape[0] // 2

@@ -350,7 +350,6 @@ void infer8_write_store(const uint8_t* res_q, const uint16_t* res_scale, const i
     }
 }
 
-
 // A prefill step's new K and V with an exact tail, in one pass (torch_ref's write_kv then
 // _tail_values, bit for bit): each row of k, v ([n, kvh, d] at token strides k_stride /
 // v_stride, heads d apart; bf16 bits or float32) rotated (rotate_keys; V too with

@@ -53,17 +53,16 @@ static void fwht_row(float* v, int64_t d) {
     }
 }
 
-
 // v [d] (floats) times the orthonormal Hadamard matrix in place, each result rounded to bf16
 // precision unless x_f32: one row of infer8_hadamard_rows, for decode_attention.c.
 void infer8_hadamard_row(float* v, int64_t d, int x_f32) {
-#ifdef __AVX512F__
-    if (d == 64 || d == 128) {  // the common head dims
-        if (d == 64) {
-            if (x_f32) hadamard_zmm(v, 4, 1); else hadamard_zmm(v, 4, 0);
-        } else {
-            if (x_f32) hadamard_zmm(v, 8, 1); else hadamard_zmm(v, 8, 0);
-        }
+#ifdef __AVX512F__  // the common head dims in registers
+    if (d == 64) {
+        if (x_f32) hadamard_zmm(v, 4, 1); else hadamard_zmm(v, 4, 0);
+        return;
+    }
+    if (d == 128) {
+        if (x_f32) hadamard_zmm(v, 8, 1); else hadamard_zmm(v, 8, 0);
         return;
     }
 #endif
@@ -96,22 +95,11 @@ void infer8_hadamard_rows(const void* x, int64_t n, int64_t h, int64_t d, int64_
                     v8f x8 = ld8(x, at + i, bf16);
                     memcpy(v + i, &x8, 32);
                 }
-#ifdef __AVX512F__
-                if (d == 64 || d == 128) {  // scaled in registers, rounded by st8
-                    infer8_hadamard_row(v, d, 1);
-                    for (int64_t i = 0; i < d; i += 8) {
-                        v8f y;
-                        memcpy(&y, v + i, 32);
-                        st8(out, o + i, y, bf16);
-                    }
-                    continue;
-                }
-#endif
-                fwht_row(v, d);
+                infer8_hadamard_row(v, d, 1);  // scaled (in registers where it can), unrounded
                 for (int64_t i = 0; i < d; i += 8) {
                     v8f y;
                     memcpy(&y, v + i, 32);
-                    st8(out, o + i, y * norm, bf16);
+                    st8(out, o + i, y, bf16);  // rounded once, into the output's dtype
                 }
                 continue;
             }

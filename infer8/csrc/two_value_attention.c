@@ -131,6 +131,7 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
             // the longest rows first: the last query block (most keys) gets task 0
             const int64_t qb = qblocks - 1 - task % qblocks, hb = task / qblocks % hblocks;
             const int64_t kvh = task / qblocks / hblocks;
+            const int64_t heads = group - hb * HB < HB ? group - hb * HB : HB;  // real ones
             const float* qr[ROWS];
             int64_t pos[ROWS], qi[ROWS];
             for (int r = 0; r < ROWS; r++) {  // rows past the end repeat the last real one
@@ -229,7 +230,7 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                         weighted_rows(p, second + i * n, a1, a2, count, d, c0, bf16, CHUNKS, a);
                     else
                         weighted_rows(p, second + i * n, a1, a2, count, d, c0, bf16, 1, a);
-                    for (int h = 0; h < HB && hb * HB + h < group; h++) {  // not repeated heads
+                    for (int h = 0; h < heads; h++) {  // not the repeated heads
                         const int64_t o = i * o_tok + (kvh * group + hb * HB + h) * o_head;
                         for (int c = 0; c < nc; c++) {
                             v8f y = a[h][c] * inv[qq * HB + h];
@@ -243,7 +244,6 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                     }
                     c0 += 8 * nc;
                 }
-                const int64_t heads = group - hb * HB < HB ? group - hb * HB : HB;
                 if (rotate_out) hadamard_rows_inline(obuf, heads, d, d, !bf16);
                 for (int h = 0; rotate_out && h < heads; h++) {
                     const int64_t o = i * o_tok + (kvh * group + hb * HB + h) * o_head;
