@@ -26,6 +26,7 @@
 
 #include "hadamard.h"
 #include "simd.h"
+#include "tail_row.h"
 
 typedef uint8_t v8u8 __attribute__((vector_size(8)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
@@ -781,10 +782,6 @@ void infer8_decode_attention(
 // Defined beside the batched passes they serve one row of (fp8_gather.c, hadamard.c).
 void infer8_quantize_row(const float* v, int64_t d, int is_e5m2, float per_amax, uint8_t* out,
                          uint16_t* scale);
-void infer8_tail_row(const void* src, int64_t at, int64_t d, int x_f32, int rotate,
-                     int block_is_e5m2, float block_per_amax, float e4m3_per_amax,
-                     uint8_t* codes, uint16_t* code_scale, uint8_t* res_q, uint16_t* res_scale,
-                     void* tail, void* block, int64_t o);
 
 // Residual rows of sequence b (K's head h, V's head kvh + h) into the store's slots where
 // ids[i] == b: exact_tail.write_store for one (sequence, KV head).
@@ -855,14 +852,14 @@ void infer8_decode_layer(
                 float* tk = tails + 2 * d * task;
                 uint8_t* rk = residuals + 2 * d * task;
                 uint16_t* sk = scales + 2 * task;
-                // tail values as floats (block NULL: no block values)
-                infer8_tail_row(k, b * kv_stride + h * d, d, x_f32, rotate_keys, e5m2,
-                                cache_per_amax, e4m3_per_amax, (uint8_t*)k_cache + slot * d,
-                                k_scale + slot, rk, sk, tk, NULL, 0);
-                infer8_tail_row(v, b * kv_stride + h * d, d, x_f32, rotate_keys && rotate_values,
-                                e5m2, cache_per_amax, e4m3_per_amax,
-                                (uint8_t*)v_cache + slot * d, v_scale + slot, rk + d, sk + 1,
-                                tk + d, NULL, 0);
+                // K's row and V's, two at a time; tail values as floats (block NULL)
+                const int64_t at = b * kv_stride + h * d;
+                const tail_row_args rows[2] = {
+                    {k, at, rotate_keys, (uint8_t*)k_cache + slot * d, k_scale + slot, rk, sk, 0},
+                    {v, at, rotate_keys && rotate_values, (uint8_t*)v_cache + slot * d,
+                     v_scale + slot, rk + d, sk + 1, d}};
+                infer8_tail_rows(rows, 2, d, x_f32, e5m2, cache_per_amax, e4m3_per_amax, tk,
+                                 NULL);
                 store_residuals(store, store_scale, store_slots, num_kv_heads, h, d, sink_ids,
                                 sink_slots, num_sinks, b, rk, sk[0], rk + d, sk[1]);
                 continue;
