@@ -21,7 +21,8 @@ output tokens, ignore_eos, 4,096 batched tokens; `--batch` running at most) in t
 times after a short warm-up, its cache faulted in first; medians and the median of each
 round's ratio to the first configuration; `--interleave`: all engines run a round's W1 at
 once, a step each in turn, each timed by the sum of its own steps (this machine's drift over
-a run then falls on every configuration alike). float32 compute (`--dtype`), the default model.
+a run then falls on every configuration alike), with the same ratio per phase (the prefill
+steps, the first 40 decode steps, the rest). float32 compute (`--dtype`), the default model.
 """
 
 from __future__ import annotations
@@ -105,11 +106,13 @@ def w1(
     max_num_seqs: int,
     dtype: str = "float32",
     interleave: bool = False,
+    steps: list[list[list[float]]] | None = None,
 ) -> list[list[float]]:
     """Return each configuration's W1 times (seconds), one per round, engines in turn (or,
     with `interleave`, all of a round's runs at once, the engines taking a step each in turn:
     each time is the sum of its engine's steps, so a drift of the machine over a round falls
-    on every configuration alike)."""
+    on every configuration alike; `steps`, if given, gets each configuration's list of step
+    times per round)."""
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     engines = [_engine(c, max_num_seqs, dtype, 4096) for c in configs]  # the issue's W1
     for e in engines:
@@ -117,6 +120,8 @@ def w1(
         if populate is not None:
             populate.join()
     times: list[list[float]] = [[] for _ in engines]
+    if steps is not None:
+        steps[:] = [[] for _ in engines]
     for r in range(rounds + 1):  # round 0: a warm-up of 8 requests
         if interleave:
             for e in engines:
@@ -124,16 +129,18 @@ def w1(
                     e.add_request(
                         [(r * 131 + i * 7 + j * 13) % 30000 + 100 for j in range(128)], params
                     )
-            spent = [0.0] * len(engines)
+            spent: list[list[float]] = [[] for _ in engines]
             while any(e.has_unfinished_requests() for e in engines):
                 for k, e in enumerate(engines):
                     if e.has_unfinished_requests():
                         t0 = time.perf_counter()
                         e.step()
-                        spent[k] += time.perf_counter() - t0
+                        spent[k].append(time.perf_counter() - t0)
             if r:
-                for ts, t in zip(times, spent):
-                    ts.append(t)
+                for k, (ts, st) in enumerate(zip(times, spent)):
+                    ts.append(sum(st))
+                    if steps is not None:
+                        steps[k].append(st)
             continue
         for e, ts in zip(engines, times):
             for i in range(64 if r else 8):
@@ -146,6 +153,18 @@ def w1(
             if r:
                 ts.append(time.perf_counter() - t0)
     return times
+
+
+def _phases(steps: list[list[float]], base: list[list[float]]) -> str:
+    """The median over rounds of a phase's time / the first configuration's, per phase of W1:
+    its two prefill steps (64 prompts in 4,096-token steps; the second with 32 decodes), the
+    next 40 steps (all decodes, contexts up to ~170) and the rest."""
+    phases = {"prefill steps": (0, 2), "decode steps 3-42": (2, 42), "steps 43-": (42, None)}
+    out = []
+    for name, (a, b) in phases.items():
+        ratios = [sum(s[a:b]) / sum(s0[a:b]) for s, s0 in zip(steps, base)]
+        out.append(f"{name} {statistics.median(ratios):.3f}x")
+    return ", ".join(out)
 
 
 def main() -> None:
@@ -164,14 +183,17 @@ def main() -> None:
                         "W1's max_num_seqs (default 64)")  # fmt: skip
     ns = parser.parse_args()
     if ns.w1:
-        runs = w1(ns.configs, ns.w1, ns.batch or 64, ns.dtype, ns.interleave)
+        steps: list[list[list[float]]] = []
+        runs = w1(ns.configs, ns.w1, ns.batch or 64, ns.dtype, ns.interleave, steps)
         first = statistics.median(runs[0])
-        for config, ts in zip(ns.configs, runs):
+        for k, (config, ts) in enumerate(zip(ns.configs, runs)):
             m = statistics.median(ts)
             pairs = statistics.median(t / t0 for t, t0 in zip(ts, runs[0]))
             print(f"{config}: W1 {m:.2f} s = {64 * 128 / m:.1f} output tok/s ({m / first:.3f}x "
                   f"the first's time; rounds {pairs:.3f}x) {' '.join(f'{t:.2f}' for t in ts)}",
                   flush=True)  # fmt: skip
+            if k and ns.interleave:  # the same phases of each round, as ratios
+                print("    " + _phases(steps[k], steps[0]), flush=True)
         return
     if ns.prefill_tokens:
         medians = prefill(ns.configs, ns.prefill_tokens, dtype=ns.dtype, prompts=ns.prefill_prompts)
