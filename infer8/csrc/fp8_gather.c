@@ -443,6 +443,19 @@ static inline float abs_max16(const v16f* x, int r) {
     return bits_to_float(out);
 }
 
+// The two rows' dynamic scales (of their absolute maxima), stored as bf16 bits at out0 / out1
+// and returned as floats in s.
+static inline __attribute__((always_inline)) void pair_scales(const v16f x[2][8], int r,
+                                                              float per_amax, uint16_t* out0,
+                                                              uint16_t* out1, float s[2]) {
+    const uint16_t b0 = dynamic_scale(abs_max16(x[0], r), per_amax);
+    const uint16_t b1 = dynamic_scale(abs_max16(x[1], r), per_amax);
+    *out0 = b0;
+    *out1 = b1;
+    s[0] = bf16_value(b0);
+    s[1] = bf16_value(b1);
+}
+
 // Two rows in lockstep, each step of both before the next step: one row's long dependency
 // chain (rotation, maximum, scale, division, rounding, twice) overlaps the other's (1.15x one
 // row at a time, in a hot loop). The same operations per row: the same bits.
@@ -469,12 +482,7 @@ static inline __attribute__((always_inline)) void prefill_rows_zmm(
     for (int p = 0; p < P; p++)
         if (a[p].rotate) hadamard_regs((__m512*)x[p], r, x_f32);
     const float block_max = block_is_e5m2 ? 57344.0f : 448.0f;
-#pragma GCC unroll 2
-    for (int p = 0; p < P; p++) {
-        const uint16_t s1_bits = dynamic_scale(abs_max16(x[p], r), block_per_amax);
-        s1[p] = bf16_value(s1_bits);
-        *a[p].code_scale = s1_bits;
-    }
+    pair_scales(x, r, block_per_amax, a[0].code_scale, a[1].code_scale, s1);
 #pragma GCC unroll 2
     for (int p = 0; p < P; p++) {
 #pragma GCC unroll 8
@@ -487,12 +495,7 @@ static inline __attribute__((always_inline)) void prefill_rows_zmm(
             memcpy(a[p].codes + 16 * i, &c8, 16);
         }
     }
-#pragma GCC unroll 2
-    for (int p = 0; p < P; p++) {
-        const uint16_t s2_bits = dynamic_scale(abs_max16(res[p], r), e4m3_per_amax);
-        s2[p] = bf16_value(s2_bits);
-        *a[p].res_scale = s2_bits;
-    }
+    pair_scales(res, r, e4m3_per_amax, a[0].res_scale, a[1].res_scale, s2);
 #pragma GCC unroll 2
     for (int p = 0; p < P; p++) {
         const int64_t o = a[p].o;
