@@ -852,14 +852,13 @@ void infer8_decode_layer(
                 float* tk = tails + 2 * d * task;
                 uint8_t* rk = residuals + 2 * d * task;
                 uint16_t* sk = scales + 2 * task;
-                // K's row and V's, two at a time; tail values as floats (block NULL)
+                // K's row and V's as a pair; tail values as floats (block NULL)
                 const int64_t at = b * kv_stride + h * d;
                 const tail_row_args rows[2] = {
                     {k, at, rotate_keys, (uint8_t*)k_cache + slot * d, k_scale + slot, rk, sk, 0},
                     {v, at, rotate_keys && rotate_values, (uint8_t*)v_cache + slot * d,
                      v_scale + slot, rk + d, sk + 1, d}};
-                infer8_tail_rows(rows, 2, d, x_f32, e5m2, cache_per_amax, e4m3_per_amax, tk,
-                                 NULL);
+                infer8_tail_pair(rows, d, x_f32, e5m2, cache_per_amax, e4m3_per_amax, tk, NULL);
                 store_residuals(store, store_scale, store_slots, num_kv_heads, h, d, sink_ids,
                                 sink_slots, num_sinks, b, rk, sk[0], rk + d, sk[1]);
                 continue;

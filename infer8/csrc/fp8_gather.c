@@ -521,12 +521,11 @@ static inline __attribute__((always_inline)) void prefill_rows_zmm(
 }
 #endif
 
-// Rows of infer8_prefill_tail and of infer8_decode_layer's new rows (tail_row.h): with
-// AVX-512 and head_dim 64 / 128, prefill_rows_zmm on pairs, else prefill_row inlined with
-// constant d; a constant format and dtype either way.
-void infer8_tail_rows(const tail_row_args* rows, int64_t count, int64_t d, int x_f32,
-                      int block_is_e5m2, float block_per_amax, float e4m3_per_amax, void* tail,
-                      void* block) {
+// Two rows of infer8_prefill_tail or infer8_decode_layer's new rows (tail_row.h): with AVX-512
+// and head_dim 64 / 128 prefill_rows_zmm, else prefill_row inlined with constant d, each row in
+// turn; a constant format and dtype either way.
+void infer8_tail_pair(const tail_row_args rows[2], int64_t d, int x_f32, int block_is_e5m2,
+                      float block_per_amax, float e4m3_per_amax, void* tail, void* block) {
     if (d > 512) return;  // the caller checks head_dim
 #define BY_FORMAT(CALL)                                        \
     if (block_is_e5m2) {                                       \
@@ -535,22 +534,18 @@ void infer8_tail_rows(const tail_row_args* rows, int64_t count, int64_t d, int x
         if (x_f32) { CALL(0, 1); } else { CALL(0, 0); }        \
     }
 #ifdef __AVX512F__
-    if (d == 64 || d == 128) {
-        for (int64_t i = 0; i < count; i += 2) {
-            // an odd last row goes with itself (the same stores twice)
-            const tail_row_args pair[2] = {rows[i], rows[i + 1 < count ? i + 1 : i]};
 #define ZMM(E5M2, F32)                                                                       \
     if (d == 64)                                                                             \
-        prefill_rows_zmm(pair, 4, F32, E5M2, block_per_amax, e4m3_per_amax, tail, block);    \
+        prefill_rows_zmm(rows, 4, F32, E5M2, block_per_amax, e4m3_per_amax, tail, block);    \
     else                                                                                     \
-        prefill_rows_zmm(pair, 8, F32, E5M2, block_per_amax, e4m3_per_amax, tail, block)
-            BY_FORMAT(ZMM)
-#undef ZMM
-        }
+        prefill_rows_zmm(rows, 8, F32, E5M2, block_per_amax, e4m3_per_amax, tail, block)
+    if (d == 64 || d == 128) {
+        BY_FORMAT(ZMM)
         return;
     }
+#undef ZMM
 #endif
-    for (int64_t i = 0; i < count; i++) {
+    for (int i = 0; i < 2; i++) {
         const tail_row_args* a = rows + i;
 #define ROW(E5M2, F32, D)                                                                     \
     prefill_row(a->src, a->at, D, F32, a->rotate, E5M2, block_per_amax, e4m3_per_amax,       \
@@ -580,13 +575,12 @@ void infer8_prefill_tail(const void* k, int64_t k_stride, const void* v, int64_t
                          uint8_t* k_cache, uint16_t* k_scale, uint8_t* v_cache,
                          uint16_t* v_scale, uint8_t* res_q, uint16_t* res_scale, void* tail,
                          void* block) {
-    // rows r = (t * 2 + side) * kvh + h, two at a time
+    // rows r = (t * 2 + side) * kvh + h, two at a time (2 n kvh of them: an even number)
     const int64_t rows = n * 2 * kvh;
 #pragma omp parallel for schedule(static)
     for (int64_t r0 = 0; r0 < rows; r0 += 2) {
         tail_row_args a[2];
-        const int64_t count = rows - r0 < 2 ? rows - r0 : 2;
-        for (int64_t i = 0; i < count; i++) {
+        for (int64_t i = 0; i < 2; i++) {
             const int64_t r = r0 + i, h = r % kvh, side = r / kvh % 2, t = r / (2 * kvh);
             const int64_t slot = h * num_slots + slot_mapping[t];
             a[i] = (tail_row_args){side ? v : k,
@@ -598,7 +592,7 @@ void infer8_prefill_tail(const void* k, int64_t k_stride, const void* v, int64_t
                                    res_scale + r,
                                    ((side * kvh + h) * n + t) * d};
         }
-        infer8_tail_rows(a, count, d, x_f32, block_is_e5m2, block_per_amax, e4m3_per_amax,
-                         tail, block);
+        infer8_tail_pair(a, d, x_f32, block_is_e5m2, block_per_amax, e4m3_per_amax, tail,
+                         block);
     }
 }

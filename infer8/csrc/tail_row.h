@@ -16,11 +16,10 @@ typedef struct {
     int64_t o;             // its tail (and block) values at element o of theirs
 } tail_row_args;
 
-// count rows (two at once where AVX-512 holds them in registers: one row's dependency chain
-// overlaps the other's); tail / block: see infer8_prefill_tail (block NULL: no block values,
-// the tail values as floats whatever the dtype).
-void infer8_tail_rows(const tail_row_args* rows, int64_t count, int64_t d, int x_f32,
-                      int block_is_e5m2, float block_per_amax, float e4m3_per_amax, void* tail,
-                      void* block);
+// Two rows (a pair: where AVX-512 holds them in registers, one row's dependency chain overlaps
+// the other's); tail / block: see infer8_prefill_tail (block NULL: no block values, the tail
+// values as floats whatever the dtype).
+void infer8_tail_pair(const tail_row_args rows[2], int64_t d, int x_f32, int block_is_e5m2,
+                      float block_per_amax, float e4m3_per_amax, void* tail, void* block);
 
 #endif
