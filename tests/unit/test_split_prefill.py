@@ -88,14 +88,20 @@ def _native():  # noqa: ANN202
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("s0, q_len, group", [(0, 128, 3), (70, 61, 3), (5, 3, 4), (0, 9, 1)])
+@pytest.mark.parametrize(
+    "s0, q_len, group, d",
+    [(0, 128, 3, 64), (70, 61, 3, 64), (5, 3, 4, 64), (0, 9, 1, 64), (0, 37, 3, 128),
+     (3, 30, 3, 96), (0, 21, 3, 72)],
+)  # fmt: skip
 def test_native_two_value_attention_matches_torch(
-    dtype: torch.dtype, s0: int, q_len: int, group: int
+    dtype: torch.dtype, s0: int, q_len: int, group: int, d: int
 ) -> None:
     """The C pass against two_value_attention in float32 on the same (rounded) inputs: q as
-    the model hands it (a [H, q_len, d] view of [q_len, H, d]), a band and sinks read second."""
+    the model hands it (a [H, q_len, d] view of [q_len, H, d]), a band and sinks read second.
+    bf16 with AVX512-BF16 takes dot products of bf16 pairs (head dims in slabs of 32: 64, 128,
+    and 96's slab of 32 after one of 64; 72 takes the float32 path), odd key counts included."""
     torch.manual_seed(2)
-    kvh, d, n, window = 3, 64, s0 + q_len, 24
+    kvh, n, window = 3, s0 + q_len, 24
     q = torch.randn(q_len, kvh * group, d).to(dtype).transpose(0, 1)
     kb, vb = torch.randn(kvh, n, d).to(dtype), torch.randn(kvh, n, d).to(dtype)
     ke, ve = (kb + 0.2 * torch.randn_like(kb)).to(dtype), (vb + 0.2 * torch.randn_like(vb))
@@ -108,6 +114,28 @@ def test_native_two_value_attention_matches_torch(
     assert got.dtype == dtype and got.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_native_two_value_rotations_are_the_separate_rotations(dtype: torch.dtype, d: int) -> None:
+    """rotate_q / rotate_out inside the pass: bit for bit the native rotation of q before the
+    call and of its output after it (an FP8 prefill with Hadamard-rotated keys)."""
+    native = _native()
+    torch.manual_seed(3)
+    kvh, group, s0, q_len, window = 3, 3, 6, 40, 24
+    n = s0 + q_len
+    q = (torch.randn(q_len, kvh * group, d) * 2).to(dtype)
+    kb, ke = ((torch.randn(kvh, n, d) * 2).to(dtype) for _ in range(2))
+    vb, ve = (torch.randn(kvh, n, d).to(dtype) for _ in range(2))
+    j, a = torch.arange(n)[None, :], torch.arange(s0, n)[:, None]
+    reads = (j > a - window) | (j < 4)
+    args = ((kb, ke), (vb, ve), reads, s0, 0.125)
+    got = native.two_value_attention(q.transpose(0, 1), *args, True, True)
+    inner = native.two_value_attention(native.rotate(q).transpose(0, 1), *args)
+    want = native.rotate(inner.transpose(0, 1))
+    assert torch.equal(got.transpose(0, 1), want)
+    assert not torch.equal(inner, got)  # the rotations change the output
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
