@@ -88,6 +88,15 @@ def build_library(out_dir: Path | None = None) -> Path:
     return lib
 
 
+def _one_row_stride(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return two [kvh, n, d] tensors as two_value_attention reads them: rows of d contiguous
+    elements, one row stride for both (copied only where that does not hold)."""
+    a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in pair)
+    if a.stride(-2) != b.stride(-2):
+        a, b = a.contiguous(), b.contiguous()
+    return a, b
+
+
 class NativeFP8Gather:
     """The compiled CPU kernels (FP8 gather and write, decode and band attention, the
     rotation, a layer's element-wise passes), called through ctypes."""
@@ -127,8 +136,8 @@ class NativeFP8Gather:
         self._band = bind("infer8_band_attention", p, p, p, i64, i64, i64, i64, i64, i64, i64,
                           f32, i32, p, p)  # fmt: skip
         self._two_value = bind("infer8_two_value_attention", p, i64, i64, p, i64, p, i64, p,
-                               i64, p, i64, p, i64, i64, i64, i64, i64, i64, f32, i32, p,
-                               i64, i64, i32, i32)  # fmt: skip
+                               i64, p, i64, i64, i64, p, i64, i64, i64, i64, i64, i64, f32, i32,
+                               p, i64, i64, i32, i32)  # fmt: skip
         self._ones: dict[int, torch.Tensor] = {}
         self._no_second = torch.zeros(0, dtype=torch.uint8)  # causal_attention: no second value
         self._step_tail: tuple[Any, ...] | None = None  # decode_layer: (tail, its arguments)
@@ -680,14 +689,15 @@ class NativeFP8Gather:
     ) -> torch.Tensor:
         """split_prefill.two_value_attention in one native pass (csrc/two_value_attention.c),
         computed in float32: q [H, q_len, d] (any strides with rows of d), keys / values
-        ([kvh, n, d] each, rows of d; q's dtype), second [q_len, n] bool or uint8; returns
+        ([kvh, n, d] each, q's dtype, rows of d: a pair's two tensors one row stride, e.g.
+        views of a step's [n, kvh, d] K / V), second [q_len, n] bool or uint8; returns
         [H, q_len, d] in q's dtype (a view of a [q_len, H, d] tensor). rotate_q / rotate_out:
         q rotated before (exact_tail.rotate), the output after, bit for bit, in the same pass
         (d a power of two)."""
         num_heads, q_len, d = q.shape
         kvh, n, _ = keys[0].shape
-        parts = [x if x.stride(-1) == 1 and x.stride(-2) == d else x.contiguous()
-                 for x in (*keys, *values)]  # fmt: skip
+        keys, values = _one_row_stride(keys), _one_row_stride(values)
+        parts = (*keys, *values)
         assert all(x.dtype == q.dtype for x in parts) and q.stride(-1) == 1
         assert not (rotate_q or rotate_out) or d & (d - 1) == 0
         second = second.to(torch.uint8).contiguous()
@@ -695,8 +705,8 @@ class NativeFP8Gather:
         k1, k2, v1, v2 = parts
         self._two_value(
             q.data_ptr(), q.stride(1), q.stride(0), k1.data_ptr(), k1.stride(0), k2.data_ptr(),
-            k2.stride(0), v1.data_ptr(), v1.stride(0), v2.data_ptr(), v2.stride(0),
-            second.data_ptr(), num_heads, kvh, q_len, n, d, q_start, scale,
+            k2.stride(0), v1.data_ptr(), v1.stride(0), v2.data_ptr(), v2.stride(0), k1.stride(1),
+            v1.stride(1), second.data_ptr(), num_heads, kvh, q_len, n, d, q_start, scale,
             int(q.dtype == torch.bfloat16), out.data_ptr(), num_heads * d, d, int(rotate_q),
             int(rotate_out),
         )  # fmt: skip

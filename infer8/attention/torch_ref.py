@@ -199,6 +199,18 @@ class TorchRefAttention:
             and native.prefill_tail_supported(cache, q, k, v)
         ):
             return self._prefill_with_tail(q, k[:n], v[:n], cache, meta, scale)
+        if (
+            native is not None
+            and tail is None
+            and meta.prefill_seq_ids
+            and cache.k.dtype == k.dtype
+            and cache.k_rotation is None
+        ):
+            # a 16/32-bit cache in the compute dtype stores k / v as they are: prompts
+            # computed whole in this step attend over them, not over their blocks read back
+            self.write_kv(cache, k[:n], v[:n], meta.slot_mapping)
+            self._rotated = None
+            return self._attend(q, cache, meta, scale, None, own=(k[:n], v[:n]))
         return write_then_attend(self, q, k, v, cache, meta, scale)
 
     def _prefill_with_tail(
@@ -500,12 +512,15 @@ class TorchRefAttention:
         new_kv: tuple[torch.Tensor, torch.Tensor] | None,
         fresh: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None,
         rotate: tuple[bool, bool] = (False, False),
+        own: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attend q's decode rows and prefill chunks; with `fresh` (this step's block and tail
         values of K and V, [2, kvh, n, d] each, and the prefill sequences computed whole in
         this step), those prompts attend over the step's values without reading their blocks
         back, their q and output rotated in that call as `rotate` (q, output) asks, and the
-        decode rows' q and output here."""
+        decode rows' q and output here. `own`: this step's K / V ([n, kvh, d]) exactly as the
+        cache holds them (no tail): prompts computed whole in this step read them instead of
+        their blocks."""
         out = torch.zeros_like(q)
         dtype = q.dtype
         tail = meta.tail
@@ -550,10 +565,14 @@ class TorchRefAttention:
                 )  # fmt: skip
                 out[start:end] = o.transpose(0, 1)
                 continue
-            table = meta.block_tables[i, : -(-seq_len // cache.block_size)]
-            # [KVH, seq_len, D]
-            k = self._read(cache.k, cache.k_scale, cache.k_static_scale, table, dtype)[:, :seq_len]
-            v = self._read(cache.v, cache.v_scale, cache.v_static_scale, table, dtype)[:, :seq_len]
+            if own is not None and q_len == seq_len:  # [KVH, seq_len, D] views
+                k, v = own[0][start:end].transpose(0, 1), own[1][start:end].transpose(0, 1)
+            else:
+                table = meta.block_tables[i, : -(-seq_len // cache.block_size)]
+                # [KVH, seq_len, D]
+                k = self._read(cache.k, cache.k_scale, cache.k_static_scale, table, dtype)
+                v = self._read(cache.v, cache.v_scale, cache.v_static_scale, table, dtype)
+                k, v = k[:, :seq_len], v[:, :seq_len]
             qs = q[start:end].transpose(0, 1)  # [H, q_len, D]
             if tail is not None:
                 assert new_kv is not None and residuals is not None

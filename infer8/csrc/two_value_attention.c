@@ -51,16 +51,18 @@ static inline __attribute__((always_inline)) void transpose8(v8f r[8]) {
     }
 }
 
-// kt [tiles][d][8]: keys 8t .. 8t + 7 of one KV head (k [n, d]), transposed; zero past n.
-// Whole tiles 8 x 8 elements at a time in registers, the last partial one element-wise.
-static void transpose_keys(const void* k, int64_t n, int64_t d, int bf16, float* kt) {
+// kt [tiles][d][8]: keys 8t .. 8t + 7 of one KV head (k: n rows of d, `row` elements apart),
+// transposed; zero past n. Whole tiles 8 x 8 elements at a time in registers, the last partial
+// one element-wise.
+static void transpose_keys(const void* k, int64_t n, int64_t d, int64_t row, int bf16,
+                           float* kt) {
     const int64_t tiles = (n + 7) / 8;
     for (int64_t t = 0; t < tiles; t++) {
         float* dst = kt + t * d * 8;
         if (t * 8 + 8 <= n) {  // d is a multiple of 8
             for (int64_t c0 = 0; c0 < d; c0 += 8) {
                 v8f r[8];
-                for (int j = 0; j < 8; j++) r[j] = ld8(k, (t * 8 + j) * d + c0, bf16);
+                for (int j = 0; j < 8; j++) r[j] = ld8(k, (t * 8 + j) * row + c0, bf16);
                 transpose8(r);
                 for (int i = 0; i < 8; i++) memcpy(dst + (c0 + i) * 8, &r[i], 32);
             }
@@ -68,7 +70,7 @@ static void transpose_keys(const void* k, int64_t n, int64_t d, int bf16, float*
         }
         for (int64_t j = 0; j < 8; j++) {
             const int64_t key = t * 8 + j;
-            for (int64_t c = 0; c < d; c++) dst[c * 8 + j] = key < n ? ld1(k, key * d + c, bf16) : 0.0f;
+            for (int64_t c = 0; c < d; c++) dst[c * 8 + j] = key < n ? ld1(k, key * row + c, bf16) : 0.0f;
         }
     }
 }
@@ -90,12 +92,12 @@ static inline __attribute__((always_inline)) void score_tile(const float* const*
 // each value row widened once for all heads.
 static inline __attribute__((always_inline)) void weighted_rows(
     const float* const* p, const uint8_t* second, const char* v1, const char* v2, int64_t count,
-    int64_t d, int64_t c0, int bf16, int nc, v8f a[HB][CHUNKS]) {
+    int64_t row_stride, int64_t c0, int bf16, int nc, v8f a[HB][CHUNKS]) {
     const int64_t es = bf16 ? 2 : 4;
     for (int h = 0; h < HB; h++)
         for (int c = 0; c < nc; c++) a[h][c] = (v8f){0};
     for (int64_t j = 0; j < count; j++) {
-        const char* row = (second[j] ? v2 : v1) + (j * d + c0) * es;
+        const char* row = (second[j] ? v2 : v1) + (j * row_stride + c0) * es;
         v8f vv[CHUNKS];
         for (int c = 0; c < nc; c++) vv[c] = ld8(row, 8 * c, bf16);
         for (int h = 0; h < HB; h++) {
@@ -108,14 +110,15 @@ static inline __attribute__((always_inline)) void weighted_rows(
 #if TV_DP
 // kt [tiles][d / 2][8]: the bf16 keys of transpose_keys as pairs of dims (one 32-bit word, as
 // AVX512-BF16 multiplies them), keys 8t .. 8t + 7 in a tile; zero past n. d a multiple of 16.
-static void transpose_key_pairs(const uint16_t* k, int64_t n, int64_t d, uint32_t* kt) {
+static void transpose_key_pairs(const uint16_t* k, int64_t n, int64_t d, int64_t row,
+                                uint32_t* kt) {
     const int64_t tiles = (n + 7) / 8, d2 = d / 2;
     for (int64_t t = 0; t < tiles; t++) {
         uint32_t* dst = kt + t * d2 * 8;
         if (t * 8 + 8 <= n) {
             for (int64_t c0 = 0; c0 < d2; c0 += 8) {  // 8 keys x 8 pairs: words transposed
                 v8f r[8];
-                for (int j = 0; j < 8; j++) memcpy(&r[j], k + (t * 8 + j) * d + 2 * c0, 32);
+                for (int j = 0; j < 8; j++) memcpy(&r[j], k + (t * 8 + j) * row + 2 * c0, 32);
                 transpose8(r);
                 for (int i = 0; i < 8; i++) memcpy(dst + (c0 + i) * 8, &r[i], 32);
             }
@@ -124,7 +127,7 @@ static void transpose_key_pairs(const uint16_t* k, int64_t n, int64_t d, uint32_
         for (int64_t j = 0; j < 8; j++)
             for (int64_t c = 0; c < d2; c++) {
                 uint32_t w = 0;
-                if (t * 8 + j < n) memcpy(&w, k + (t * 8 + j) * d + 2 * c, 4);
+                if (t * 8 + j < n) memcpy(&w, k + (t * 8 + j) * row + 2 * c, 4);
                 dst[c * 8 + j] = w;
             }
     }
@@ -153,15 +156,15 @@ static inline __attribute__((always_inline)) void score_tile_dp(const uint32_t* 
 // 8L + {0..3} (lo) and 8L + {4..7} (hi) of each slab, put back in order at the end.
 static inline __attribute__((always_inline)) void weighted_pairs(
     const uint16_t* const* p, const uint8_t* second, const uint16_t* v1, const uint16_t* v2,
-    int64_t count, int64_t n, int64_t d, int64_t c0, int ns, float* out) {
+    int64_t count, int64_t n, int64_t d, int64_t row, int64_t c0, int ns, float* out) {
     static const uint16_t zero_row[512] = {0};
     __m512 lo[HB][2], hi[HB][2];
     for (int h = 0; h < HB; h++)
         for (int s = 0; s < ns; s++) lo[h][s] = hi[h][s] = _mm512_setzero_ps();
     for (int64_t j = 0; j < count; j += 2) {
-        const uint16_t* ra = (second[j] ? v2 : v1) + j * d + c0;
+        const uint16_t* ra = (second[j] ? v2 : v1) + j * row + c0;
         // past count p is 0 (row j + 1 a real row, or zeros past n)
-        const uint16_t* rb = j + 1 < n ? (second[j + 1] ? v2 : v1) + (j + 1) * d + c0 : zero_row;
+        const uint16_t* rb = j + 1 < n ? (second[j + 1] ? v2 : v1) + (j + 1) * row + c0 : zero_row;
         __m512bh pl[2], ph[2];
         for (int s = 0; s < ns; s++) {
             const __m512i a = _mm512_loadu_si512((const void*)(ra + 32 * s));
@@ -194,7 +197,8 @@ static inline __attribute__((always_inline)) void weighted_pairs(
 #endif
 
 // q element (h, i, c) at q[i * q_tok + h * q_head + c], out likewise (o_tok, o_head); k1, k2,
-// v1, v2: [kvh, n, d] rows of d elements, KV head x at x + x_head stride; all float32, or all
+// v1, v2: [kvh, n, d] rows of d elements, KV head x at x + x_head stride, key j's row at
+// j * k_row (k1, k2) or j * v_row (v1, v2); all float32, or all
 // bf16 (bf16 != 0); second [q_len, n]: 1 where query i reads key j's second value. Query i
 // sits at position q_start + i and sees keys 0 .. q_start + i; query head h reads KV head
 // h / group. d is a multiple of 8. rotate_q / rotate_out: q rows times the Hadamard matrix as
@@ -203,7 +207,8 @@ static inline __attribute__((always_inline)) void weighted_pairs(
 void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, const void* k1,
                                 int64_t k1_head, const void* k2, int64_t k2_head,
                                 const void* v1, int64_t v1_head, const void* v2,
-                                int64_t v2_head, const uint8_t* second, int64_t num_heads,
+                                int64_t v2_head, int64_t k_row, int64_t v_row,
+                                const uint8_t* second, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t q_len, int64_t n, int64_t d,
                                 int64_t q_start, float scale, int bf16, void* out,
                                 int64_t o_tok, int64_t o_head, int rotate_q, int rotate_out) {
@@ -221,12 +226,12 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                                            : (const char*)k2 + (x - num_kv_heads) * k2_head * es;
 #if TV_DP
         if (dp) {
-            transpose_key_pairs((const uint16_t*)src, n, d,
+            transpose_key_pairs((const uint16_t*)src, n, d, k_row,
                                 (uint32_t*)kt + x * tiles * tile_words);
             continue;
         }
 #endif
-        transpose_keys(src, n, d, bf16, kt + x * tiles * tile_words);
+        transpose_keys(src, n, d, k_row, bf16, kt + x * tiles * tile_words);
     }
     const int64_t qblocks = (q_len + QB - 1) / QB, hblocks = (group + HB - 1) / HB;
 #pragma omp parallel
@@ -368,9 +373,9 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                     const uint16_t* b2 = (const uint16_t*)a2;
                     for (int64_t c0 = 0; c0 < d; c0 += 64) {
                         if (d - c0 >= 64)
-                            weighted_pairs(ph, second + i * n, b1, b2, count, n, d, c0, 2, vals);
+                            weighted_pairs(ph, second + i * n, b1, b2, count, n, d, v_row, c0, 2, vals);
                         else
-                            weighted_pairs(ph, second + i * n, b1, b2, count, n, d, c0, 1, vals);
+                            weighted_pairs(ph, second + i * n, b1, b2, count, n, d, v_row, c0, 1, vals);
                     }
                     for (int h = 0; h < heads; h++) {
                         const int64_t o = i * o_tok + (kvh * group + hb * HB + h) * o_head;
@@ -393,9 +398,9 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                 for (int64_t c0 = 0; c0 < d;) {  // CHUNKS vectors of the head dim, then singles
                     const int nc = d - c0 >= 8 * CHUNKS ? CHUNKS : 1;
                     if (nc == CHUNKS)
-                        weighted_rows(p, second + i * n, a1, a2, count, d, c0, bf16, CHUNKS, a);
+                        weighted_rows(p, second + i * n, a1, a2, count, v_row, c0, bf16, CHUNKS, a);
                     else
-                        weighted_rows(p, second + i * n, a1, a2, count, d, c0, bf16, 1, a);
+                        weighted_rows(p, second + i * n, a1, a2, count, v_row, c0, bf16, 1, a);
                     for (int h = 0; h < heads; h++) {  // not the repeated heads
                         const int64_t o = i * o_tok + (kvh * group + hb * HB + h) * o_head;
                         for (int c = 0; c < nc; c++) {

@@ -378,6 +378,43 @@ def test_decode_layer_without_a_tail_matches_the_separate_calls(
     assert torch.equal(other.v.view(torch.uint8), cache.v.view(torch.uint8))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompts_attend_over_their_own_kv_not_their_blocks(cache_dtype: torch.dtype) -> None:
+    """A 16/32-bit cache in the compute dtype holds K / V as they are: prompts computed whole
+    in the step (short: the native causal pass; long: SDPA) attend over the step's rows, a
+    chunk after cached positions and the decodes read blocks, all bit for bit write_kv then
+    forward (which reads every prompt's blocks back)."""
+    torch.manual_seed(4)
+    ref, fused = TorchRefAttention(use_native=True), TorchRefAttention(use_native=True)
+    for backend in (ref, fused):  # the 45-token prompt takes the SDPA path
+        backend.native_causal_max_len = 40
+    reads: list[int] = []
+    read = fused._read
+    fused._read = lambda *a, **k: reads.append(1) or read(*a, **k)  # type: ignore[method-assign]
+    kvh, group, d, bs = 3, 3, 64, 16
+    cpu = torch.device("cpu")
+    cache = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, cache_dtype), 40, cpu)[0]
+    other = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, cache_dtype), 40, cpu)[0]
+    # sequences: a decode (30 cached), a chunk of 10 after 20 cached, fresh prompts of 7 and 45
+    cached = [30, 20, 0, 0]
+    blocks = [[1, 2, 3], [5, 6], [8], [10, 11, 12]]
+    pre = build_attention_metadata(cached[:2], [0, 0], blocks[:2], bs, cpu)
+    k0 = torch.randn(pre.num_real_tokens, kvh, d, dtype=cache_dtype)
+    v0 = torch.randn_like(k0)
+    for c in (cache, other):
+        ref.write_kv(c, k0, v0, pre.slot_mapping)
+    meta = build_attention_metadata([1, 10, 7, 45], cached, blocks, bs, cpu)
+    n = meta.num_real_tokens
+    q = torch.randn(n, kvh * group, d, dtype=cache_dtype)
+    k, v = torch.randn(n, kvh, d, dtype=cache_dtype), torch.randn(n, kvh, d, dtype=cache_dtype)
+    ref.write_kv(cache, k, v, meta.slot_mapping)
+    want = ref.forward(q, cache, meta, d**-0.5)
+    got = fused.write_and_attend(q, k, v, other, meta, d**-0.5)
+    assert torch.equal(got, want)
+    assert torch.equal(other.k, cache.k) and torch.equal(other.v, cache.v)
+    assert len(reads) == 2  # K and V of the chunk after cached positions only
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [128, 64, 4])  # in registers (AVX-512), or the scalar butterflies
 def test_rotate_is_the_hadamard_matmul(native: NativeFP8Gather, dtype: torch.dtype, d: int) -> None:
