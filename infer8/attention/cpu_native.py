@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,6 +139,9 @@ class NativeFP8Gather:
         self._two_value = bind("infer8_two_value_attention", p, i64, i64, p, i64, p, i64, p,
                                i64, p, i64, i64, i64, p, i64, i64, i64, i64, i64, i64, f32, i32,
                                p, i64, i64, i32, i32)  # fmt: skip
+        self._two_value_prompts = bind("infer8_two_value_prompts", p, i64, i64, p, i64, p, i64,
+                                       p, i64, p, i64, i64, i64, p, i64, p, p, i64, i64, i64,
+                                       f32, i32, p, i64, i64, i32, i32)  # fmt: skip
         self._ones: dict[int, torch.Tensor] = {}
         self._no_second = torch.zeros(0, dtype=torch.uint8)  # causal_attention: no second value
         self._step_tail: tuple[Any, ...] | None = None  # decode_layer: (tail, its arguments)
@@ -675,6 +679,46 @@ class NativeFP8Gather:
             self._no_second = torch.zeros(q_len * n, dtype=torch.uint8)
         second = self._no_second[: q_len * n].view(q_len, n)
         return self.two_value_attention(q, (k, k), (v, v), second, n - q_len, scale)
+
+    def two_value_prompts(
+        self,
+        q: torch.Tensor,
+        keys: tuple[torch.Tensor, torch.Tensor],
+        values: tuple[torch.Tensor, torch.Tensor],
+        spans: Sequence[tuple[int, int]],
+        seconds: Sequence[torch.Tensor] | None,
+        scale: float,
+        out: torch.Tensor,
+        rotate_q: bool = False,
+        rotate_out: bool = False,
+    ) -> None:
+        """two_value_attention of each prompt computed whole in this step, in one native call:
+        q [n, H, d] (rows of d), keys / values [kvh, n, d] each (as two_value_attention takes
+        them), spans (start, length) of the prompts' rows, seconds their [length, length] uint8
+        reads (None: first values only, the causal pass); writes out [n, H, d] (contiguous) at
+        the prompts' rows."""
+        num_heads, d = q.shape[1], q.shape[2]
+        kvh = keys[0].shape[0]
+        keys, values = _one_row_stride(keys), _one_row_stride(values)
+        assert all(x.dtype == q.dtype for x in (*keys, *values)) and q.stride(-1) == 1
+        assert out.is_contiguous() and out.dtype == q.dtype and out.shape == q.shape
+        assert not (rotate_q or rotate_out) or d & (d - 1) == 0
+        starts = torch.tensor([a for a, _ in spans], dtype=torch.int64)
+        lens = torch.tensor([n for _, n in spans], dtype=torch.int64)
+        masks = None
+        if seconds is not None:
+            masks = torch.tensor([m.data_ptr() for m in seconds], dtype=torch.int64)
+            assert all(m.dtype == torch.uint8 and m.is_contiguous() for m in seconds)
+        k1, k2 = keys
+        v1, v2 = values
+        self._two_value_prompts(
+            q.data_ptr(), q.stride(0), q.stride(1), k1.data_ptr(), k1.stride(0), k2.data_ptr(),
+            k2.stride(0), v1.data_ptr(), v1.stride(0), v2.data_ptr(), v2.stride(0), k1.stride(1),
+            v1.stride(1), None if masks is None else masks.data_ptr(), len(spans),
+            starts.data_ptr(), lens.data_ptr(), num_heads, kvh, d, scale,
+            int(q.dtype == torch.bfloat16), out.data_ptr(), num_heads * d, d, int(rotate_q),
+            int(rotate_out),
+        )  # fmt: skip
 
     def two_value_attention(
         self,

@@ -265,6 +265,43 @@ class TorchRefAttention:
             out = self._rotate(out, cache.k_rotation)  # H is its own inverse
         return out
 
+    def _fresh_prompts(
+        self,
+        q: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        fresh: tuple[torch.Tensor, torch.Tensor, set[int]] | None,
+        rotate: tuple[bool, bool],
+        own: tuple[torch.Tensor, torch.Tensor] | None,
+        out: torch.Tensor,
+    ) -> set[int]:
+        """Attend the prompts computed whole in this step that read only the step's K / V
+        (_attend's `fresh` or `own`) in one native call, into out; return their ids."""
+        native, starts, lens = self._native, meta.query_start_loc, meta.seq_lens
+        seconds = None
+        if fresh is not None:  # block values first, tail values second
+            assert native is not None and meta.tail is not None
+            ids = [i for i in meta.prefill_seq_ids if i in fresh[2]]
+            blocks, exact, _ = fresh  # [2, kvh, n, d]: K, V
+            keys, values = (blocks[0], exact[0]), (blocks[1], exact[1])
+            window, sinks = meta.tail.window, meta.tail.num_sinks
+            seconds = [self._fresh_reads(lens[i], window, sinks[i]) for i in ids]
+        elif own is not None and native is not None and native.two_value_supported(q):
+            limit = self.native_causal_max_len  # the causal pass over the step's rows
+            ids = [i for i in meta.prefill_seq_ids if starts[i + 1] - starts[i] == lens[i] <= limit]
+            k, v = own[0].transpose(0, 1), own[1].transpose(0, 1)  # [kvh, n, d] views
+            keys, values = (k, k), (v, v)
+        else:
+            return set()
+        if ids:
+            spans = [(starts[i], lens[i]) for i in ids]
+            target = out if out.is_contiguous() else torch.zeros(q.shape, dtype=q.dtype)
+            native.two_value_prompts(q, keys, values, spans, seconds, scale, target, *rotate)
+            if target is not out:
+                for a, n in spans:
+                    out[a : a + n] = target[a : a + n]
+        return set(ids)
+
     def _fresh_reads(self, seq_len: int, window: int, num_sinks: int) -> torch.Tensor:
         """Return a fresh prompt's [seq_len, seq_len] uint8 reads (tail_prefill.dense_parts')."""
         key = (seq_len, window, num_sinks)
@@ -550,21 +587,12 @@ class TorchRefAttention:
             if len(meta.decode_seq_ids) == q.shape[0]:
                 return o  # an all-decode batch: token i is sequence i
             out[ids] = o
+        done = self._fresh_prompts(q, meta, scale, fresh, rotate, own, out)
         for i in meta.prefill_seq_ids:
+            if i in done:
+                continue
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             q_len, seq_len = end - start, meta.seq_lens[i]
-            if fresh is not None and i in fresh[2]:
-                assert self._native is not None and tail is not None
-                blocks, exact, _ = fresh
-                parts = [x[:, :, start:end] for x in (blocks, exact)]  # [2, kvh, q_len, d]
-                reads = self._fresh_reads(seq_len, tail.window, tail.num_sinks[i])
-                qs = q[start:end].transpose(0, 1)
-                o = self._native.two_value_attention(
-                    qs, (parts[0][0], parts[1][0]), (parts[0][1], parts[1][1]), reads, 0, scale,
-                    *rotate,
-                )  # fmt: skip
-                out[start:end] = o.transpose(0, 1)
-                continue
             if own is not None and q_len == seq_len:  # [KVH, seq_len, D] views
                 k, v = own[0][start:end].transpose(0, 1), own[1][start:end].transpose(0, 1)
             else:

@@ -436,3 +436,32 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
     }
     free(kt);
 }
+
+// infer8_two_value_attention for each of num_seqs prompts computed whole in one step (a
+// prompt's queries are its keys: q_len = n, q_start 0), one call instead of one per prompt:
+// prompt s holds rows starts[s] .. starts[s] + lens[s] of q, the keys, the values and out
+// (row strides q_tok, k_row, v_row, o_tok), reading seconds[s] ([len, len]: 1 where a query
+// reads a key's second value; seconds NULL: first values only, one side when k1 == k2).
+void infer8_two_value_prompts(const void* q, int64_t q_tok, int64_t q_head, const void* k1,
+                              int64_t k1_head, const void* k2, int64_t k2_head, const void* v1,
+                              int64_t v1_head, const void* v2, int64_t v2_head, int64_t k_row,
+                              int64_t v_row, const uint8_t* const* seconds, int64_t num_seqs,
+                              const int64_t* starts, const int64_t* lens, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t d, float scale, int bf16, void* out,
+                              int64_t o_tok, int64_t o_head, int rotate_q, int rotate_out) {
+    const int64_t es = bf16 ? 2 : 4;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < num_seqs; s++) longest = lens[s] > longest ? lens[s] : longest;
+    uint8_t* none = seconds == NULL ? calloc((size_t)(longest * longest) + 1, 1) : NULL;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t a = starts[s], n = lens[s];
+        if (n <= 0) continue;
+        infer8_two_value_attention(
+            (const char*)q + a * q_tok * es, q_tok, q_head, (const char*)k1 + a * k_row * es,
+            k1_head, (const char*)k2 + a * k_row * es, k2_head, (const char*)v1 + a * v_row * es,
+            v1_head, (const char*)v2 + a * v_row * es, v2_head, k_row, v_row,
+            seconds != NULL ? seconds[s] : none, num_heads, num_kv_heads, n, n, d, 0, scale, bf16,
+            (char*)out + a * o_tok * es, o_tok, o_head, rotate_q, rotate_out);
+    }
+    free(none);
+}
