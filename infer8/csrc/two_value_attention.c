@@ -239,10 +239,10 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
         float* s = malloc(sizeof(float) * ROWS * padded);
         float* qbuf = malloc(sizeof(float) * ROWS * d);  // the task's query rows as floats
         float* obuf = malloc(sizeof(float) * HB * d + 64);  // output rows before the rotation
-        // dp: the q rows and probabilities as bf16, a query's weighted values
+        // dp: the q rows and probabilities as bf16
         uint16_t* qbits = dp ? malloc(sizeof(uint16_t) * ROWS * d) : NULL;
         uint16_t* pb = dp ? malloc(sizeof(uint16_t) * ROWS * padded) : NULL;
-        float* vals = dp ? malloc(sizeof(float) * HB * d) : NULL;
+        float* vals = malloc(sizeof(float) * HB * d);  // a query's weighted values
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_kv_heads * hblocks * qblocks; task++) {
             // the longest rows first: the last query block (most keys) gets task 0
@@ -365,56 +365,48 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
                 const float* p[HB];
                 for (int h = 0; h < HB; h++) p[h] = s + (qq * HB + h) * padded;
                 const int64_t count = pos[qq * HB] + 1;
+                // every head's weighted value rows into vals (unnormalized)
 #if TV_DP
-                if (dp) {  // 64 dims a pass (then 32), every head's output rows into vals
+                if (dp) {  // 64 dims a pass (then 32)
                     const uint16_t* ph[HB];
                     for (int h = 0; h < HB; h++) ph[h] = pb + (qq * HB + h) * padded;
-                    const uint16_t* b1 = (const uint16_t*)a1;
-                    const uint16_t* b2 = (const uint16_t*)a2;
+                    const uint16_t *b1 = (const uint16_t*)a1, *b2 = (const uint16_t*)a2;
+                    const uint8_t* sec = second + i * n;
                     for (int64_t c0 = 0; c0 < d; c0 += 64) {
                         if (d - c0 >= 64)
-                            weighted_pairs(ph, second + i * n, b1, b2, count, n, d, v_row, c0, 2, vals);
+                            weighted_pairs(ph, sec, b1, b2, count, n, d, v_row, c0, 2, vals);
                         else
-                            weighted_pairs(ph, second + i * n, b1, b2, count, n, d, v_row, c0, 1, vals);
-                    }
-                    for (int h = 0; h < heads; h++) {
-                        const int64_t o = i * o_tok + (kvh * group + hb * HB + h) * o_head;
-                        for (int64_t c = 0; c < d; c += 8) {
-                            v8f y;
-                            memcpy(&y, vals + h * d + c, 32);
-                            y *= inv[qq * HB + h];
-                            if (!rotate_out) {
-                                st8(out, o + c, y, bf16);
-                                continue;
-                            }
-                            y = rnd8(y);  // the row as the output dtype holds it
-                            memcpy(obuf + h * d + c, &y, 32);
-                        }
+                            weighted_pairs(ph, sec, b1, b2, count, n, d, v_row, c0, 1, vals);
                     }
                 } else
 #endif
-                {
-                v8f a[HB][CHUNKS];
-                for (int64_t c0 = 0; c0 < d;) {  // CHUNKS vectors of the head dim, then singles
-                    const int nc = d - c0 >= 8 * CHUNKS ? CHUNKS : 1;
-                    if (nc == CHUNKS)
-                        weighted_rows(p, second + i * n, a1, a2, count, v_row, c0, bf16, CHUNKS, a);
-                    else
-                        weighted_rows(p, second + i * n, a1, a2, count, v_row, c0, bf16, 1, a);
-                    for (int h = 0; h < heads; h++) {  // not the repeated heads
-                        const int64_t o = i * o_tok + (kvh * group + hb * HB + h) * o_head;
-                        for (int c = 0; c < nc; c++) {
-                            v8f y = a[h][c] * inv[qq * HB + h];
-                            if (!rotate_out) {
-                                st8(out, o + c0 + 8 * c, y, bf16);
-                                continue;
-                            }
-                            if (bf16) y = rnd8(y);  // the row as the output dtype holds it
-                            memcpy(obuf + h * d + c0 + 8 * c, &y, 32);
-                        }
+                    for (int64_t c0 = 0; c0 < d;) {  // CHUNKS vectors of the dim, then singles
+                        const int nc = d - c0 >= 8 * CHUNKS ? CHUNKS : 1;
+                        v8f a[HB][CHUNKS];
+                        if (nc == CHUNKS)
+                            weighted_rows(p, second + i * n, a1, a2, count, v_row, c0, bf16,
+                                          CHUNKS, a);
+                        else
+                            weighted_rows(p, second + i * n, a1, a2, count, v_row, c0, bf16, 1,
+                                          a);
+                        for (int h = 0; h < heads; h++)
+                            for (int c = 0; c < nc; c++)
+                                memcpy(vals + h * d + c0 + 8 * c, &a[h][c], 32);
+                        c0 += 8 * nc;
                     }
-                    c0 += 8 * nc;
-                }
+                for (int h = 0; h < heads; h++) {  // not the repeated heads
+                    const int64_t o = i * o_tok + (kvh * group + hb * HB + h) * o_head;
+                    for (int64_t c = 0; c < d; c += 8) {
+                        v8f y;
+                        memcpy(&y, vals + h * d + c, 32);
+                        y *= inv[qq * HB + h];
+                        if (!rotate_out) {
+                            st8(out, o + c, y, bf16);
+                            continue;
+                        }
+                        if (bf16) y = rnd8(y);  // the row as the output dtype holds it
+                        memcpy(obuf + h * d + c, &y, 32);
+                    }
                 }
                 if (rotate_out) hadamard_rows_inline(obuf, heads, d, d, !bf16);
                 for (int h = 0; rotate_out && h < heads; h++) {
