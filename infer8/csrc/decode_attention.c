@@ -547,18 +547,30 @@ static inline void prefetch_block_scales(const decode_params* p, const int64_t* 
     }
 }
 
-// The first lines task (b, h) reads, requested into L2 while the task before it runs: its
-// blocks' FP8 scales, its first block's keys, its residual rows' scales (each a memory latency
-// the task would otherwise wait for in turn).
+// What task (b, h) reads first, requested into L2 while the task before it runs: its blocks'
+// FP8 scales, its residual rows' scales, and its keys and values up to NEXT_TASK_BYTES of them
+// (every row of a short context: the task then reads from L2, not memory, where it would wait
+// for each row's latency in turn: 0.89x a bf16 layer of 64 x 140 tokens, 0.97x an FP8 one,
+// whose rows cost more compute than latency; longer contexts read the rest AHEAD rows ahead).
+#ifndef NEXT_TASK_BYTES
+#define NEXT_TASK_BYTES 32768
+#endif
 static void prefetch_task(const decode_params* p, int64_t b, int64_t h) {
     const int64_t len = p->seq_lens[b], bs = p->block_size, d = p->d;
     if (len <= 0) return;
     const int64_t elem = kv_elem(p->kind);
     const int64_t* trow = p->table + b * p->table_stride;
     if (p->kind >= KV_E4M3) prefetch_block_scales(p, trow, h, len, 1);
-    const char* k0 = (const char*)p->k_cache + (h * p->num_blocks + trow[0]) * bs * d * elem;
-    const int64_t bytes = (len < bs ? len : bs) * d * elem;
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(k0 + at, 0, 2);
+    const int64_t rows = NEXT_TASK_BYTES / (2 * d * elem);  // K and V rows alike
+    for (int64_t j0 = 0; j0 < len && j0 < rows; j0 += bs) {
+        const int64_t first = (h * p->num_blocks + trow[j0 / bs]) * bs * d * elem;
+        const int64_t bytes = (len - j0 < bs ? len - j0 : bs) * d * elem;
+        const char *kb = (const char*)p->k_cache + first, *vb = (const char*)p->v_cache + first;
+        for (int64_t at = 0; at < bytes; at += 64) {
+            __builtin_prefetch(kb + at, 0, 2);
+            __builtin_prefetch(vb + at, 0, 2);
+        }
+    }
     if (p->store != NULL && p->width > 0) {
         const int64_t seat = p->read_rows[b * p->width / p->stride];
         const int64_t kat = (h * p->seats + seat) * p->stride;
