@@ -386,9 +386,13 @@ static void pair_values(const float* w, int64_t stride, const char* const* rows,
 // sum_values for an E4M3 cache with 16-lane registers and every dim of a row in one pass (d =
 // 16 NC, NH x NC accumulators): 16 codes widened at once (value / 256 through F16C, as
 // load8_as), the same FMAs per dim in the same row order as value_tile: bit for bit its sums.
+// `wide`: the weights carry 2^112 more (attend_task's wide_values) and the codes are widened as
+// value * 2^-120: sign-extended to 32 bits and shifted, sign, exponent and mantissa land in
+// float32's fields (a subnormal code as a denormal): three integer ops per 16, no permute or
+// F16C (0.97x an FP8 decode layer), the same products.
 static inline __attribute__((always_inline)) void e4m3_values_tile(
     const float* w, int64_t stride, const char* const* rows, int64_t n, int nh, int nc,
-    float* acc, int64_t d) {
+    float* acc, int64_t d, int wide) {
     __m512 a[MAX_HEADS][8];
     for (int g = 0; g < nh; g++)
         for (int c = 0; c < nc; c++) a[g][c] = _mm512_loadu_ps(acc + g * d + 16 * c);
@@ -400,6 +404,14 @@ static inline __attribute__((always_inline)) void e4m3_values_tile(
     for (int64_t j = 0; j < n; j++) {
         if (j + AHEAD < n) prefetch_row(rows[j + AHEAD], d);
         __m512 vv[8];
+        if (wide) {
+            for (int c = 0; c < nc; c++) {
+                const __m512i x = _mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i*)((const uint8_t*)rows[j] + 16 * c)));
+                vv[c] = _mm512_castsi512_ps(_mm512_and_si512(
+                    _mm512_slli_epi32(x, 20), _mm512_set1_epi32((int)0x87f00000u)));
+            }
+        } else {
 #ifdef __AVX512VBMI__
         // 32 codes at once, each in both bytes of its word (one vpermb): shifted right 1
         // (arithmetically), bits 15 and 13..7 are the fp16 of value / 256
@@ -420,6 +432,7 @@ static inline __attribute__((always_inline)) void e4m3_values_tile(
             vv[c] = _mm512_cvtph_ps(f16);
         }
 #endif
+        }
         for (int g = 0; g < nh; g++) {
             const __m512 p = _mm512_set1_ps(w[g * stride + j]);
             for (int c = 0; c < nc; c++) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
@@ -431,12 +444,17 @@ static inline __attribute__((always_inline)) void e4m3_values_tile(
 
 // e4m3_values_tile for d = 64 or 128 (the common head dims), or 0 where it does not apply.
 static inline int e4m3_values(const float* w, int64_t stride, const char* const* rows, int64_t n,
-                              int64_t group, float* acc, int64_t d) {
+                              int64_t group, float* acc, int64_t d, int wide) {
     if (d != 64 && d != 128) return 0;
     for (int64_t g0 = 0; g0 < group; g0 += MAX_HEADS) {
         const int nh = group - g0 < MAX_HEADS ? (int)(group - g0) : MAX_HEADS;
-#define E4M3_VALUES(NH, NC) \
-    e4m3_values_tile(w + g0 * stride, stride, rows, n, NH, NC, acc + g0 * d, d)
+#define E4M3_VALUES(NH, NC)                                                                \
+    do {                                                                                   \
+        if (wide)                                                                          \
+            e4m3_values_tile(w + g0 * stride, stride, rows, n, NH, NC, acc + g0 * d, d, 1); \
+        else                                                                               \
+            e4m3_values_tile(w + g0 * stride, stride, rows, n, NH, NC, acc + g0 * d, d, 0); \
+    } while (0)
         if (d == 64) {
             switch (nh) {
                 case 1: E4M3_VALUES(1, 4); break;
@@ -502,10 +520,11 @@ static void score_cached(const float* qf, int64_t d, const char* const* rows,
     }
 }
 
+// wide: E4M3 weights carrying 2^112 more (attend_task's wide_values; only where e4m3_values runs)
 static void sum_cached(const float* w, int64_t stride, const char* const* rows, int64_t n,
-                       int kind, int64_t group, float* acc, int64_t d) {
+                       int kind, int64_t group, float* acc, int64_t d, int wide) {
 #ifdef __AVX512F__
-    if (kind == KV_E4M3 && e4m3_values(w, stride, rows, n, group, acc, d)) return;
+    if (kind == KV_E4M3 && e4m3_values(w, stride, rows, n, group, acc, d, wide)) return;
 #endif
     switch (kind) {
         case KV_F32: values_all(w, stride, rows, n, KV_F32, group, acc, d); break;
@@ -633,6 +652,16 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
     const int64_t* trow = p->table + b * p->table_stride;
     // E4M3 rows are widened as value / 256 (load8_as): the exact 256 goes into the scale
     const float unit = kind == KV_E4M3 ? 256.0f : 1.0f;
+    // E4M3 values widened as value * 2^-120 instead (e4m3_values_tile's `wide`), 2^120 in the
+    // value scales, where e4m3_values runs, the CPU reads denormals (MXCSR's DAZ clear: the
+    // subnormal codes) and every value scale keeps 2^120 finite (< 2^8, checked below)
+#ifdef __AVX512F__
+    int wide = kind == KV_E4M3 && (d == 64 || d == 128) && !(_mm_getcsr() & 0x40);
+#else
+    int wide = 0;
+#endif
+    const float vunit = wide ? 0x1p120f : unit;
+    uint16_t vmax = 0;  // the largest value scale's bits (scales are >= 0: ordered as floats)
     if (is_fp8) prefetch_block_scales(p, trow, h, n, 0);  // all requested before the reads
     for (int64_t j0 = 0; j0 < n; j0 += p->block_size) {
         const int64_t first = (h * p->num_blocks + trow[j0 / p->block_size]) * p->block_size;
@@ -648,10 +677,20 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
             const uint16_t *ksc = p->k_scale + first, *vsc = p->v_scale + first;
             for (int64_t off = 0; off < stop; off++) {
                 ks[j0 + off] = bf16_to_f32(ksc[off]) * unit;
-                vs[j0 + off] = bf16_to_f32(vsc[off]) * unit;
+                vs[j0 + off] = bf16_to_f32(vsc[off]) * vunit;
+                vmax = vsc[off] > vmax ? vsc[off] : vmax;
             }
         } else {
             for (int64_t off = 0; off < stop; off++) ks[j0 + off] = vs[j0 + off] = 1.0f;
+        }
+    }
+    if (wide && vmax >= 0x4380) {  // a value scale of 2^8 or more (never seen): value / 256
+        wide = 0;
+        for (int64_t j0 = 0; j0 < n; j0 += p->block_size) {
+            const int64_t first = (h * p->num_blocks + trow[j0 / p->block_size]) * p->block_size;
+            const int64_t stop = n - j0 < p->block_size ? n - j0 : p->block_size;
+            for (int64_t off = 0; off < stop; off++)
+                vs[j0 + off] = bf16_to_f32(p->v_scale[first + off]) * unit;
         }
     }
     for (int64_t j = n; j < len; j++) vs[j] = 1.0f;  // the newest token's tail value
@@ -719,17 +758,26 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
         pair_values(w, len, vrows, n, group, acc, d);
     else
 #endif
-        sum_cached(w, len, vrows, n, kind, group, acc, d);
+        sum_cached(w, len, vrows, n, kind, group, acc, d, wide);
     if (n < len) {  // the newest token's tail value
         const char* fresh = (const char*)newv;
-        sum_cached(w + n, len, &fresh, 1, KV_F32, group, acc, d);
+        sum_cached(w + n, len, &fresh, 1, KV_F32, group, acc, d, 0);
     }
     if (nt > 0) {  // p.r at each valid tail position, in the cached values' tiles
-        for (int64_t i = 0; i < nt; i++) tvs[i] = bf16_to_f32(p->store_scale[tvat[i]]) * 256.0f;
+        uint16_t tmax = 0;  // the residual rows' scales, widened alike where they allow it
+        for (int64_t i = 0; i < nt; i++)
+            tmax = p->store_scale[tvat[i]] > tmax ? p->store_scale[tvat[i]] : tmax;
+#ifdef __AVX512F__
+        const int twide = (d == 64 || d == 128) && !(_mm_getcsr() & 0x40) && tmax < 0x4380;
+#else
+        const int twide = 0;
+#endif
+        const float tunit = twide ? 0x1p120f : 256.0f;
+        for (int64_t i = 0; i < nt; i++) tvs[i] = bf16_to_f32(p->store_scale[tvat[i]]) * tunit;
         for (int64_t g = 0; g < group; g++)
             for (int64_t i = 0; i < nt; i++)
                 tw[g * width + i] = scores[g * len + tpos[i]] * tvs[i];
-        sum_cached(tw, width, tvrows, nt, KV_E4M3, group, acc, d);
+        sum_cached(tw, width, tvrows, nt, KV_E4M3, group, acc, d, twide);
     }
     free(scores);
 }

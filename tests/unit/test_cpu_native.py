@@ -233,26 +233,40 @@ def test_decode_attention_scores_every_e4m3_code_as_the_torch_path_does(
     assert (got.float() - want.float()).abs().max() < 0.01
 
 
+@pytest.mark.parametrize("daz", [False, True])
+@pytest.mark.parametrize("scale", [2.0, 512.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_sums_every_e4m3_code_as_its_value(
-    native: NativeFP8Gather, dtype: torch.dtype
+    native: NativeFP8Gather, dtype: torch.dtype, scale: float, daz: bool
 ) -> None:
     """Each E4M3 code, subnormals, signs and zeros included, as a value: a one-token sequence
     (probability 1) whose value row holds 64 codes returns their values times the row's scale,
-    exactly (every E4M3 value times 2 is a bf16 value); the kernel widens 32 codes at a time."""
+    exactly (every E4M3 value times a power of two is a bf16 value). With AVX-512 the kernel
+    widens codes as value * 2^-120 (subnormal codes as float32 denormals) with 2^120 in the
+    scale, unless a scale is >= 2^8 (512: 2^120 would overflow) or the thread reads denormals
+    as zero (`daz`: torch.set_flush_denormal, the calling thread's tasks), then as value / 256."""
+    if daz and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        _sum_every_e4m3_code(native, dtype, scale)
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _sum_every_e4m3_code(native: NativeFP8Gather, dtype: torch.dtype, scale: float) -> None:
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     codes = codes[torch.isfinite(codes.float())]  # 254: NaNs are never stored
-    rows = torch.cat([codes, codes[: -codes.numel() % 64]]).view(-1, 64)  # 4 rows of 64
+    rows = torch.cat([codes, codes[: -codes.numel() % 64]]).view(-1, 64).repeat(8, 1)  # 32 x 64
     n, d, bs = rows.shape[0], 64, 16
     spec = KVCacheSpec(1, 1, d, bs, torch.float8_e4m3fn)
     cache = allocate_kv_cache(spec, n, torch.device("cpu"))[0]
     cache.v[0, :, 0] = rows
-    cache.v_scale.fill_(2.0)
+    cache.v_scale.fill_(scale)
     cache.k_scale.fill_(1.0)
     q = torch.randn(n, 1, d, dtype=dtype)
     table, seq_lens = torch.arange(n)[:, None], torch.ones(n, dtype=torch.int64)
     got = native.decode_attention(q, cache, table, seq_lens, d**-0.5)
-    assert torch.equal(got.float()[:, 0], rows.float() * 2.0)
+    assert torch.equal(got.float()[:, 0], rows.float() * scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
