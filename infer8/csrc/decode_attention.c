@@ -120,6 +120,7 @@ static inline void hsum4(v8f a, v8f b, v8f c, v8f e, float* out) {
 }
 
 enum { MAX_HEADS = 3, MAX_KEYS = 4, MAX_CHUNKS = 2, AHEAD = 16, ROWS = 64 };
+enum { NEXT_TASK_BYTES = 32768 };  // prefetch_task's budget
 
 // A cache row's lines requested ahead of use: rows come block by block in the block table's
 // order, which the hardware prefetcher cannot follow across blocks.
@@ -386,7 +387,7 @@ static void pair_values(const float* w, int64_t stride, const char* const* rows,
 // sum_values for an E4M3 cache with 16-lane registers and every dim of a row in one pass (d =
 // 16 NC, NH x NC accumulators): 16 codes widened at once (value / 256 through F16C, as
 // load8_as), the same FMAs per dim in the same row order as value_tile: bit for bit its sums.
-// `wide`: the weights carry 2^112 more (attend_task's wide_values) and the codes are widened as
+// `wide`: the weights carry 2^112 more (wide_values) and the codes are widened as
 // value * 2^-120: sign-extended to 32 bits and shifted, sign, exponent and mantissa land in
 // float32's fields (a subnormal code as a denormal): three integer ops per 16, no permute or
 // F16C (0.97x an FP8 decode layer), the same products.
@@ -440,6 +441,14 @@ static inline __attribute__((always_inline)) void e4m3_values_tile(
     }
     for (int g = 0; g < nh; g++)
         for (int c = 0; c < nc; c++) _mm512_storeu_ps(acc + g * d + 16 * c, a[g][c]);
+}
+
+// Whether E4M3 values whose largest scale has bf16 bits max_scale are widened as value * 2^-120
+// (e4m3_values_tile's `wide`), 2^120 in their scales: where e4m3_values runs, the thread reads
+// denormals (MXCSR's DAZ clear: the subnormal codes) and every scale keeps 2^120 finite (< 2^8;
+// scales are >= 0, so their bits order as the floats).
+static inline int wide_values(int64_t d, uint16_t max_scale) {
+    return (d == 64 || d == 128) && !(_mm_getcsr() & 0x40) && max_scale < 0x4380;
 }
 
 // e4m3_values_tile for d = 64 or 128 (the common head dims), or 0 where it does not apply.
@@ -520,7 +529,7 @@ static void score_cached(const float* qf, int64_t d, const char* const* rows,
     }
 }
 
-// wide: E4M3 weights carrying 2^112 more (attend_task's wide_values; only where e4m3_values runs)
+// wide: E4M3 weights carrying 2^112 more (where wide_values holds)
 static void sum_cached(const float* w, int64_t stride, const char* const* rows, int64_t n,
                        int kind, int64_t group, float* acc, int64_t d, int wide) {
 #ifdef __AVX512F__
@@ -571,9 +580,6 @@ static inline void prefetch_block_scales(const decode_params* p, const int64_t* 
 // (every row of a short context: the task then reads from L2, not memory, where it would wait
 // for each row's latency in turn: 0.89x a bf16 layer of 64 x 140 tokens, 0.97x an FP8 one,
 // whose rows cost more compute than latency; longer contexts read the rest AHEAD rows ahead).
-#ifndef NEXT_TASK_BYTES
-#define NEXT_TASK_BYTES 32768
-#endif
 static void prefetch_task(const decode_params* p, int64_t b, int64_t h) {
     const int64_t len = p->seq_lens[b], bs = p->block_size, d = p->d;
     if (len <= 0) return;
@@ -652,16 +658,7 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
     const int64_t* trow = p->table + b * p->table_stride;
     // E4M3 rows are widened as value / 256 (load8_as): the exact 256 goes into the scale
     const float unit = kind == KV_E4M3 ? 256.0f : 1.0f;
-    // E4M3 values widened as value * 2^-120 instead (e4m3_values_tile's `wide`), 2^120 in the
-    // value scales, where e4m3_values runs, the CPU reads denormals (MXCSR's DAZ clear: the
-    // subnormal codes) and every value scale keeps 2^120 finite (< 2^8, checked below)
-#ifdef __AVX512F__
-    int wide = kind == KV_E4M3 && (d == 64 || d == 128) && !(_mm_getcsr() & 0x40);
-#else
-    int wide = 0;
-#endif
-    const float vunit = wide ? 0x1p120f : unit;
-    uint16_t vmax = 0;  // the largest value scale's bits (scales are >= 0: ordered as floats)
+    uint16_t vmax = 0;  // the largest value scale's bits (wide_values)
     if (is_fp8) prefetch_block_scales(p, trow, h, n, 0);  // all requested before the reads
     for (int64_t j0 = 0; j0 < n; j0 += p->block_size) {
         const int64_t first = (h * p->num_blocks + trow[j0 / p->block_size]) * p->block_size;
@@ -677,22 +674,19 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
             const uint16_t *ksc = p->k_scale + first, *vsc = p->v_scale + first;
             for (int64_t off = 0; off < stop; off++) {
                 ks[j0 + off] = bf16_to_f32(ksc[off]) * unit;
-                vs[j0 + off] = bf16_to_f32(vsc[off]) * vunit;
+                vs[j0 + off] = bf16_to_f32(vsc[off]) * unit;
                 vmax = vsc[off] > vmax ? vsc[off] : vmax;
             }
         } else {
             for (int64_t off = 0; off < stop; off++) ks[j0 + off] = vs[j0 + off] = 1.0f;
         }
     }
-    if (wide && vmax >= 0x4380) {  // a value scale of 2^8 or more (never seen): value / 256
-        wide = 0;
-        for (int64_t j0 = 0; j0 < n; j0 += p->block_size) {
-            const int64_t first = (h * p->num_blocks + trow[j0 / p->block_size]) * p->block_size;
-            const int64_t stop = n - j0 < p->block_size ? n - j0 : p->block_size;
-            for (int64_t off = 0; off < stop; off++)
-                vs[j0 + off] = bf16_to_f32(p->v_scale[first + off]) * unit;
-        }
-    }
+#ifdef __AVX512F__
+    const int wide = kind == KV_E4M3 && wide_values(d, vmax);
+    for (int64_t j = 0; wide && j < n; j++) vs[j] *= 0x1p112f;  // 256 * 2^112, exactly
+#else
+    const int wide = 0;
+#endif
     for (int64_t j = n; j < len; j++) vs[j] = 1.0f;  // the newest token's tail value
     const float sm_scale = p->sm_scale;
     // scores (the value rows are requested while the keys are scored)
@@ -768,7 +762,7 @@ static void attend_task(const decode_params* p, int64_t b, int64_t h, const floa
         for (int64_t i = 0; i < nt; i++)
             tmax = p->store_scale[tvat[i]] > tmax ? p->store_scale[tvat[i]] : tmax;
 #ifdef __AVX512F__
-        const int twide = (d == 64 || d == 128) && !(_mm_getcsr() & 0x40) && tmax < 0x4380;
+        const int twide = wide_values(d, tmax);
 #else
         const int twide = 0;
 #endif
