@@ -78,6 +78,9 @@ def main() -> None:
                 enable_prefix_caching=False,
             )
         )
+        populate = engine.executor.driver_worker.kv_populate  # type: ignore[attr-defined]
+        if populate is not None:  # a background thread faulting the cache in takes a core
+            populate.join()
         current[0] = i
         for prompt in prompts:
             engine.add_request(prompt, params)
