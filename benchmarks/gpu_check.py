@@ -301,7 +301,7 @@ def decode_attention(
 def _random_model(device: torch.device, preset: str) -> Any:
     """Build a LlamaForCausalLM of a plan preset's shape with random weights on the device."""
     from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
-    from infer8.plan import MODEL_PRESETS
+    from infer8.plan_presets import MODEL_PRESETS
 
     cfg = LlamaArchConfig.from_hf_config(dict(MODEL_PRESETS[preset]))
     with torch.device("meta"):

@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     _add_eval_parsers(sub)
-    from infer8.plan import add_plan_args, run_plan
+    from infer8.plan_cli import add_plan_args, run_plan
 
     plan = sub.add_parser("plan", help="plan weights, KV capacity and sessions for a model+device")
     add_plan_args(plan)

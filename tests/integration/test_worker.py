@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer8 import plan
+from infer8 import plan, plan_presets
 from infer8.attention import select_backend
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
@@ -97,13 +97,13 @@ def test_plan_and_engine_agree_on_the_kv_budget(tmp_path: Path) -> None:
             max_model_len=512,
         )
     )
-    shape = plan.ModelShape.from_hf_config(
+    shape = plan_presets.ModelShape.from_hf_config(
         json.loads((model_dir / "config.json").read_text()), "tiny"
     )
     ram = device_memory_bytes(torch.device("cpu"))
     inputs = plan.PlanInputs(
         model=shape,
-        device=plan.DeviceSpec(
+        device=plan_presets.DeviceSpec(
             "this host's RAM",
             ram,
             1e10,

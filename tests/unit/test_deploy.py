@@ -215,11 +215,11 @@ def test_every_container_command_parses_with_infer8(overlay: str) -> None:
 
 
 def _plan_for(engine_args: Any, device: str) -> Any:
-    from infer8 import plan
+    from infer8 import plan, plan_presets
 
     inputs = plan.PlanInputs(
-        model=plan.ModelShape.from_hf_config(plan.MODEL_PRESETS["qwen2-72b-instruct"], "q72"),
-        device=plan.DEVICE_PRESETS[device],
+        model=plan_presets.load_model_shape("qwen2-72b-instruct"),
+        device=plan_presets.DEVICE_PRESETS[device],
         weight_dtype="fp8" if engine_args.quantization == "fp8" else "bf16",
         kv_cache_dtype=engine_args.kv_cache_dtype,
         gpu_memory_utilization=engine_args.gpu_memory_utilization,

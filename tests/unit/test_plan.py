@@ -9,16 +9,13 @@ from pathlib import Path
 import pytest
 
 from infer8.entrypoints.cli import CHOICES, main
-from infer8.plan import (
+from infer8.plan import PlanInputs, estimate_activation_bytes, evaluate_claim, plan_capacity
+from infer8.plan_presets import (
     DEVICE_PRESETS,
     KV_ELEMENT_BYTES,
     MODEL_PRESETS,
     GiB,
-    PlanInputs,
-    estimate_activation_bytes,
-    evaluate_claim,
     load_model_shape,
-    plan_capacity,
 )
 
 H100 = DEVICE_PRESETS["h100-80gb"]
