@@ -42,7 +42,8 @@ _SOURCES = (
 # -fno-trapping-math: no FP exception is ever observed, so branch-free selects vectorize (the
 # values are IEEE's either way; no -ffast-math, which would change them)
 # included by the sources: in the hash
-_HEADERS = (_CSRC / "simd.h", _CSRC / "hadamard.h", _CSRC / "tail_row.h")
+_HEADERS = tuple(_CSRC / h for h in ("simd.h", "hadamard.h", "tail_row.h", "decode_tiles.h",
+                                      "decode_passes.h"))  # fmt: skip
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 _SCALE_PER_AMAX = {dt: fp8.SCALE_ROUND_UP / fp8.fp8_max(dt) for dt in fp8.FP8_DTYPES}
