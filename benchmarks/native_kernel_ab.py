@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from infer8.attention import cpu_native
+from infer8.attention import cpu_native, native_build
 from infer8.attention.metadata import build_attention_metadata
 from infer8.attention.torch_ref import TorchRefAttention
 from infer8.config import EngineArgs
@@ -41,20 +41,20 @@ def base_library(rev: str, out: Path) -> Path:
     src = out / "csrc"
     src.mkdir(parents=True, exist_ok=True)
     sources = []
-    for path in (*cpu_native._SOURCES, *cpu_native._HEADERS):
+    for path in (*native_build._SOURCES, *native_build._HEADERS):
         rel = path.relative_to(REPO).as_posix()
         text = subprocess.run(
             ["git", "show", f"{rev}:{rel}"], cwd=REPO, capture_output=True
         ).stdout  # a header the revision lacks: it does not include it either
         (src / path.name).write_bytes(text)
-        if path in cpu_native._SOURCES:
+        if path in native_build._SOURCES:
             sources.append(src / path.name)
-    saved = cpu_native._SOURCES
-    cpu_native._SOURCES = tuple(sources)
+    saved = native_build._SOURCES
+    native_build._SOURCES = tuple(sources)
     try:
-        return cpu_native.build_library(out / "lib")
+        return native_build.build_library(out / "lib")
     finally:
-        cpu_native._SOURCES = saved
+        native_build._SOURCES = saved
 
 
 def kernel(libs: dict[str, cpu_native.NativeFP8Gather], calls: int, dtype: str) -> None:

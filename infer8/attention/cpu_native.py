@@ -1,21 +1,17 @@
-"""A small C kernel for the CPU path: gather FP8 KV blocks and dequantize them to bf16 in one pass.
+"""The native CPU kernels (csrc/*.c) called through ctypes: the FP8 cache's gather and writes,
+the exact tail's rows, decode attention and the whole decode layer; the element-wise passes
+(native_elementwise.py) and prefill attention (native_prefill.py) are parts of the same class.
 
-Eager FP8 casts run at ~0.7 G elements/s on these CPUs and torch.compile's at ~8; this plain C
-loop, vectorized by the compiler, is several times faster and skips the FP8 gather buffer. It is
-built once per machine with the system C compiler (gcc/cc, OpenMP) into the infer8 cache and
-loaded with ctypes; without a compiler the engine falls back to the torch path.
+Eager FP8 casts run at ~0.7 G elements/s on these CPUs and torch.compile's at ~8; plain C loops,
+vectorized by the compiler, are several times faster and skip the FP8 gather buffer. They are
+built once per machine (native_build.py) and loaded with ctypes; without a compiler the engine
+falls back to the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,81 +21,20 @@ if TYPE_CHECKING:
     from infer8.attention.exact_tail import TailMetadata
     from infer8.worker.kv_cache import LayerKVCache
 
+from infer8.attention.native_build import build_library
+from infer8.attention.native_elementwise import NativeElementwise
+from infer8.attention.native_prefill import NativePrefillAttention
 from infer8.quant import fp8
 
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = (
-    _CSRC / "fp8_gather.c",
-    _CSRC / "decode_attention.c",
-    _CSRC / "hadamard.c",
-    _CSRC / "elementwise.c",
-    _CSRC / "band_attention.c",
-    _CSRC / "two_value_attention.c",
-    _CSRC / "sampling.c",
-)
-# -fno-trapping-math: no FP exception is ever observed, so branch-free selects vectorize (the
-# values are IEEE's either way; no -ffast-math, which would change them)
-# included by the sources: in the hash
-_HEADERS = tuple(_CSRC / h for h in ("simd.h", "hadamard.h", "tail_row.h", "decode_tiles.h",
-                                      "decode_passes.h"))  # fmt: skip
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 _SCALE_PER_AMAX = {dt: fp8.SCALE_ROUND_UP / fp8.fp8_max(dt) for dt in fp8.FP8_DTYPES}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _NO_TAIL_ARGS = (None, 0, 0, None, None, 0, None, None, 0, None, None, 0)  # see _tail_args
 
 
-def _cache_dir() -> Path:
-    from infer8.models.default_model import cache_dir
-
-    return cache_dir() / "native"
-
-
-def build_library(out_dir: Path | None = None) -> Path:
-    """Compile the kernel (once per source version and host) and return the .so path."""
-    source = b"".join(src.read_bytes() for src in (*_SOURCES, *_HEADERS))
-    tag = hashlib.sha256(source + os.uname().machine.encode() + " ".join(_FLAGS).encode())
-    tag = tag.hexdigest()[:16]
-    out_dir = out_dir or _cache_dir()
-    lib = out_dir / f"fp8_gather-{tag}.so"
-    if lib.is_file():
-        return lib
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc/cc) found")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        tmp_lib = Path(tmp) / lib.name
-        cmd = [
-            cc,
-            *_FLAGS,
-            "-shared",
-            "-fPIC",
-            "-o",
-            str(tmp_lib),
-            *map(str, _SOURCES),
-        ]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(
-                f"compiling the native kernels failed: {result.stderr.strip()[:500]}"
-            )
-        os.replace(tmp_lib, lib)  # atomic: concurrent builders end with one good file
-    return lib
-
-
-def _one_row_stride(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return two [kvh, n, d] tensors as two_value_attention reads them: rows of d contiguous
-    elements, one row stride for both (copied only where that does not hold)."""
-    a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in pair)
-    if a.stride(-2) != b.stride(-2):
-        a, b = a.contiguous(), b.contiguous()
-    return a, b
-
-
-class NativeFP8Gather:
+class NativeFP8Gather(NativeElementwise, NativePrefillAttention):
     """The compiled CPU kernels (FP8 gather and write, decode and band attention, the
     rotation, a layer's element-wise passes), called through ctypes."""
 
@@ -545,214 +480,3 @@ class NativeFP8Gather:
                 rings.numel())  # fmt: skip
         self._step_tail = (tail, args, parts)  # parts: the pointers' owners
         return args
-
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Return x [n, heads, d] times the orthonormal Hadamard matrix (exact_tail.rotate).
-
-        The fast Walsh-Hadamard transform in float32, in x's dtype (bf16 or float32); rows may
-        be strided (a view of a fused projection), the result is contiguous.
-        """
-        n, heads, d = x.shape
-        assert x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
-        assert x.stride(-1) == 1 and d & (d - 1) == 0 and d <= 1024
-        out = torch.empty((n, heads, d), dtype=x.dtype)
-        self._hadamard(
-            x.data_ptr(), n, heads, d, x.stride(0), x.stride(1), int(x.dtype == torch.float32),
-            out.data_ptr(),
-        )  # fmt: skip
-        return out
-
-    # -- the layer's element-wise passes (csrc/elementwise.c), float32 or bf16 CPU tensors -----
-    @staticmethod
-    def elementwise_supported(x: torch.Tensor) -> bool:
-        """Return whether rms_norm, silu_and_mul, rope_ and band_attention run on x (float32 or
-        bf16, CPU)."""
-        return x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
-
-    def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Return weight * x / sqrt(mean(x^2) + eps) over x's rows [n, h]; with `add`, x += add
-        first, in place (x rows may be strided, the last dim contiguous)."""
-        n, h = x.shape
-        assert x.stride(1) == 1 and weight.is_contiguous() and weight.dtype == x.dtype
-        if add is not None:
-            add = add.contiguous()
-            assert add.shape == x.shape and add.dtype == x.dtype
-        out = torch.empty((n, h), dtype=x.dtype)
-        self._rms_norm(
-            x.data_ptr(), x.stride(0), None if add is None else add.data_ptr(),
-            weight.data_ptr(), n, h, eps, int(x.dtype == torch.bfloat16), out.data_ptr(),
-        )  # fmt: skip
-        return out
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """Return silu(gate) * up for gate_up [n, 2 * inter] (gate first): [n, inter]."""
-        gate_up = gate_up.contiguous()
-        n, width = gate_up.shape
-        out = torch.empty((n, width // 2), dtype=gate_up.dtype)
-        bf16 = int(gate_up.dtype == torch.bfloat16)
-        self._silu_and_mul(gate_up.data_ptr(), n, width // 2, bf16, out.data_ptr())
-        return out
-
-    def greedy(self, logits: torch.Tensor, limit: float) -> list[int]:
-        """Return each row's argmax of float32 logits [rows, vocab] after the sampler's
-        sanitizing (NaN -> -limit, clamped to [-limit, limit]; the first of equal maxima), as
-        torch's argmax of that sanitized copy returns it, in one pass without the copy."""
-        assert logits.dtype == torch.float32 and logits.dim() == 2 and logits.device.type == "cpu"
-        logits = logits.contiguous()
-        out = torch.empty(logits.shape[0], dtype=torch.int64)
-        self._greedy(logits.data_ptr(), logits.shape[0], logits.shape[1], limit, out.data_ptr())
-        return out.tolist()
-
-    def nucleus_candidates(
-        self, logits: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, cap: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return each row's top-k / top-p candidates (csrc/sampling.c): (ids [rows, cap],
-        their count per row or -1 where the row is left to the caller, the row's maximum, the
-        softmax denominator sum(e^max(x - max, -87))). logits: finite float32 [rows, vocab];
-        top_p float32, top_k int64 [rows] (vocab: off). A row's candidates are every token
-        above its smallest one, in index order."""
-        assert logits.dtype == torch.float32 and logits.dim() == 2 and logits.device.type == "cpu"
-        logits = logits.contiguous()
-        rows, vocab = logits.shape
-        top_p = top_p.to(torch.float32).contiguous()
-        top_k = top_k.to(torch.int64).contiguous()
-        assert top_p.shape == top_k.shape == (rows,)
-        ids = torch.empty((rows, cap), dtype=torch.int64)
-        count = torch.empty(rows, dtype=torch.int64)
-        row_max = torch.empty(rows, dtype=torch.float32)
-        row_sum = torch.empty(rows, dtype=torch.float32)
-        self._candidates(
-            logits.data_ptr(), rows, vocab, top_p.data_ptr(), top_k.data_ptr(), cap,
-            row_max.data_ptr(), row_sum.data_ptr(), ids.data_ptr(), count.data_ptr(),
-        )  # fmt: skip
-        return ids, count, row_max, row_sum
-
-    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [n, heads, d] in place (rotate_half convention) by cos, sin [n, d / 2]."""
-        n, heads, d = x.shape
-        assert x.stride(2) == 1 and x.stride(1) == d and cos.shape == (n, d // 2)
-        assert cos.dtype == sin.dtype == x.dtype
-        cos, sin = cos.contiguous(), sin.contiguous()
-        bf16 = int(x.dtype == torch.bfloat16)
-        self._rope(x.data_ptr(), x.stride(0), n, heads, d, cos.data_ptr(), sin.data_ptr(), bf16)
-        return x
-
-    def band_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        window: int,
-        valid_from: int,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (out [H, q_len, d], lse [H, q_len]) of split_prefill's band, float32 or bf16 CPU:
-        query i sees keys i .. i + window - 1 of k, v [kvh, n, d], those below valid_from
-        excepted (a query that sees none: lse -inf, zeros)."""
-        num_heads, q_len, d = q.shape
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        assert self.elementwise_supported(q) and q.dtype == k.dtype == v.dtype
-        out = torch.empty_like(q)
-        lse = torch.empty((num_heads, q_len), dtype=torch.float32)
-        self._band(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), num_heads, num_heads // k.shape[0],
-            q_len, k.shape[1], d, window, valid_from, scale, int(q.dtype == torch.bfloat16),
-            out.data_ptr(), lse.data_ptr(),
-        )  # fmt: skip
-        return out, lse
-
-    @staticmethod
-    def two_value_supported(q: torch.Tensor) -> bool:
-        """Return whether two_value_attention runs on q [H, q_len, d] (float32 or bf16 on the
-        CPU, d a multiple of 8)."""
-        return NativeFP8Gather.elementwise_supported(q) and q.shape[-1] % 8 == 0
-
-    def causal_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """Causal attention of a chunk's queries q [H, q_len, d] (the last q_len of n
-        positions) over keys / values [kvh, n, d]: the two-value pass reading first values only.
-        Returns [H, q_len, d] (a view of a [q_len, H, d] tensor)."""
-        q_len, n = q.shape[1], k.shape[1]
-        if self._no_second.numel() < q_len * n:
-            self._no_second = torch.zeros(q_len * n, dtype=torch.uint8)
-        second = self._no_second[: q_len * n].view(q_len, n)
-        return self.two_value_attention(q, (k, k), (v, v), second, n - q_len, scale)
-
-    def two_value_prompts(
-        self,
-        q: torch.Tensor,
-        keys: tuple[torch.Tensor, torch.Tensor],
-        values: tuple[torch.Tensor, torch.Tensor],
-        spans: Sequence[tuple[int, int]],
-        seconds: Sequence[torch.Tensor] | None,
-        scale: float,
-        out: torch.Tensor,
-        rotate_q: bool = False,
-        rotate_out: bool = False,
-    ) -> None:
-        """two_value_attention of each prompt computed whole in this step, in one native call:
-        q [n, H, d] (rows of d), keys / values [kvh, n, d] each (as two_value_attention takes
-        them), spans (start, length) of the prompts' rows, seconds their [length, length] uint8
-        reads (None: first values only, the causal pass); writes out [n, H, d] (contiguous) at
-        the prompts' rows."""
-        num_heads, d = q.shape[1], q.shape[2]
-        kvh = keys[0].shape[0]
-        keys, values = _one_row_stride(keys), _one_row_stride(values)
-        assert all(x.dtype == q.dtype for x in (*keys, *values)) and q.stride(-1) == 1
-        assert out.is_contiguous() and out.dtype == q.dtype and out.shape == q.shape
-        assert not (rotate_q or rotate_out) or d & (d - 1) == 0
-        starts = torch.tensor([a for a, _ in spans], dtype=torch.int64)
-        lens = torch.tensor([n for _, n in spans], dtype=torch.int64)
-        masks = None
-        if seconds is not None:
-            masks = torch.tensor([m.data_ptr() for m in seconds], dtype=torch.int64)
-            assert all(m.dtype == torch.uint8 and m.is_contiguous() for m in seconds)
-        k1, k2 = keys
-        v1, v2 = values
-        self._two_value_prompts(
-            q.data_ptr(), q.stride(0), q.stride(1), k1.data_ptr(), k1.stride(0), k2.data_ptr(),
-            k2.stride(0), v1.data_ptr(), v1.stride(0), v2.data_ptr(), v2.stride(0), k1.stride(1),
-            v1.stride(1), None if masks is None else masks.data_ptr(), len(spans),
-            starts.data_ptr(), lens.data_ptr(), num_heads, kvh, d, scale,
-            int(q.dtype == torch.bfloat16), out.data_ptr(), num_heads * d, d, int(rotate_q),
-            int(rotate_out),
-        )  # fmt: skip
-
-    def two_value_attention(
-        self,
-        q: torch.Tensor,
-        keys: tuple[torch.Tensor, torch.Tensor],
-        values: tuple[torch.Tensor, torch.Tensor],
-        second: torch.Tensor,
-        q_start: int,
-        scale: float,
-        rotate_q: bool = False,
-        rotate_out: bool = False,
-    ) -> torch.Tensor:
-        """split_prefill.two_value_attention in one native pass (csrc/two_value_attention.c),
-        computed in float32: q [H, q_len, d] (any strides with rows of d), keys / values
-        ([kvh, n, d] each, q's dtype, rows of d: a pair's two tensors one row stride, e.g.
-        views of a step's [n, kvh, d] K / V), second [q_len, n] bool or uint8; returns
-        [H, q_len, d] in q's dtype (a view of a [q_len, H, d] tensor). rotate_q / rotate_out:
-        q rotated before (exact_tail.rotate), the output after, bit for bit, in the same pass
-        (d a power of two)."""
-        num_heads, q_len, d = q.shape
-        kvh, n, _ = keys[0].shape
-        keys, values = _one_row_stride(keys), _one_row_stride(values)
-        parts = (*keys, *values)
-        assert all(x.dtype == q.dtype for x in parts) and q.stride(-1) == 1
-        assert not (rotate_q or rotate_out) or d & (d - 1) == 0
-        second = second.to(torch.uint8).contiguous()
-        out = torch.empty((q_len, num_heads, d), dtype=q.dtype)
-        k1, k2, v1, v2 = parts
-        self._two_value(
-            q.data_ptr(), q.stride(1), q.stride(0), k1.data_ptr(), k1.stride(0), k2.data_ptr(),
-            k2.stride(0), v1.data_ptr(), v1.stride(0), v2.data_ptr(), v2.stride(0), k1.stride(1),
-            v1.stride(1), second.data_ptr(), num_heads, kvh, q_len, n, d, q_start, scale,
-            int(q.dtype == torch.bfloat16), out.data_ptr(), num_heads * d, d, int(rotate_q),
-            int(rotate_out),
-        )  # fmt: skip
-        return out.transpose(0, 1)

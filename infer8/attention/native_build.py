@@ -1,0 +1,67 @@
+"""Building the native CPU kernels (csrc/*.c): once per source version, host and flags, with the
+system C compiler (gcc/cc, OpenMP), into the infer8 cache; cpu_native loads the result."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCES = (
+    _CSRC / "fp8_gather.c",
+    _CSRC / "decode_attention.c",
+    _CSRC / "hadamard.c",
+    _CSRC / "elementwise.c",
+    _CSRC / "band_attention.c",
+    _CSRC / "two_value_attention.c",
+    _CSRC / "sampling.c",
+)
+# -fno-trapping-math: no FP exception is ever observed, so branch-free selects vectorize (the
+# values are IEEE's either way; no -ffast-math, which would change them)
+# included by the sources: in the hash
+_HEADERS = tuple(_CSRC / h for h in ("simd.h", "hadamard.h", "tail_row.h", "decode_tiles.h",
+                                      "decode_passes.h"))  # fmt: skip
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
+
+
+def _cache_dir() -> Path:
+    from infer8.models.default_model import cache_dir
+
+    return cache_dir() / "native"
+
+
+def build_library(out_dir: Path | None = None) -> Path:
+    """Compile the kernel (once per source version and host) and return the .so path."""
+    source = b"".join(src.read_bytes() for src in (*_SOURCES, *_HEADERS))
+    tag = hashlib.sha256(source + os.uname().machine.encode() + " ".join(_FLAGS).encode())
+    tag = tag.hexdigest()[:16]
+    out_dir = out_dir or _cache_dir()
+    lib = out_dir / f"fp8_gather-{tag}.so"
+    if lib.is_file():
+        return lib
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc/cc) found")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        tmp_lib = Path(tmp) / lib.name
+        cmd = [
+            cc,
+            *_FLAGS,
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(tmp_lib),
+            *map(str, _SOURCES),
+        ]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"compiling the native kernels failed: {result.stderr.strip()[:500]}"
+            )
+        os.replace(tmp_lib, lib)  # atomic: concurrent builders end with one good file
+    return lib
