@@ -447,7 +447,7 @@ def write_smoke_model(out_dir: Path, seed: int = 0) -> Path:
     """Write a small random-weight Qwen2-shaped model (config, safetensors, tokenizer)."""
     from safetensors.torch import save_file
 
-    from infer8.models.gguf_loader import _expected_shapes
+    from infer8.models.gguf_metadata import expected_shapes
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.utils import build_tokenizer
@@ -463,7 +463,7 @@ def write_smoke_model(out_dir: Path, seed: int = 0) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     weights = {}
-    for name, shape in _expected_shapes(config).items():
+    for name, shape in expected_shapes(config).items():
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(shape)
         else:  # large enough that greedy tokens are decided by clear margins

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from infer8.models.gguf_loader import GGUF_MAGIC, convert_gguf_to_hf
+from infer8.models.gguf_loader import convert_gguf_to_hf
+from infer8.models.gguf_metadata import GGUF_MAGIC
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,8 @@ GGUF stores what a Hugging Face checkpoint splits over several files: the config
 metadata, the tokenizer as `tokenizer.ggml.*` metadata, and the weights under llama.cpp's names,
 possibly quantized, with the q/k projection rows of Llama reordered for llama.cpp's rotary
 kernel. `load_gguf` undoes all of that, so its output equals what transformers' own GGUF loader
-produces; `convert_gguf_to_hf` writes it out as a regular Hugging Face model directory.
+produces; `convert_gguf_to_hf` writes it out as a regular Hugging Face model directory. The
+header's config is gguf_metadata.py's, the tokenizer gguf_tokenizer.py's.
 """
 
 from __future__ import annotations
@@ -15,34 +16,35 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
-from tokenizers import (
-    AddedToken,
-    Regex,
-    decoders,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
-)
 from tokenizers import Tokenizer as HFTokenizer
 from tqdm.auto import tqdm
+
+from infer8.models.gguf_metadata import (
+    build_hf_config,
+    expected_shapes,
+    open_reader,
+    read_metadata,
+)
+from infer8.models.gguf_tokenizer import (
+    build_generation_config,
+    build_tokenizer_config,
+    build_tokenizer_json,
+    eos_token_ids,
+)
 
 if TYPE_CHECKING:
     from infer8.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-GGUF_MAGIC = b"GGUF"
 
 SUPPORTED_TENSOR_TYPES = frozenset(
     {
@@ -54,12 +56,6 @@ SUPPORTED_TENSOR_TYPES = frozenset(
         GGMLQuantizationType.Q4_1,
     }
 )
-
-# GGUF `general.architecture` -> (Hugging Face architecture class, model_type).
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-}
 
 _GLOBAL_TENSOR_TO_HF = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -78,30 +74,6 @@ _LAYER_TENSOR_TO_HF = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-# llama.cpp `tokenizer.ggml.token_type` values.
-_TOKEN_TYPE_NORMAL = 1
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-# Pre-tokenizer regexes, as llama.cpp's llama-vocab.cpp applies them per `tokenizer.ggml.pre`.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Single digits first, then the GPT-2 regex (StarCoder's tokenizer, which SmolLM reuses).
-_DIGITS_THEN_GPT2_PRE = frozenset(
-    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
-)
-_GPT2_PRE = frozenset({"default", "gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion"})
-_LLAMA3_PRE = frozenset(
-    {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral", "midm-2.0"}
-)
-_QWEN2_PRE = frozenset({"qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"})
 
 
 @dataclass(frozen=True)
@@ -135,16 +107,16 @@ def load_gguf(
 ) -> GGUFModel:
     """Read a Llama or Qwen2 GGUF file; its weights dequantize to `dtype` when iterated."""
     path = Path(path)
-    reader = _open_reader(path)
-    metadata = _read_metadata(reader, path)
+    reader = open_reader(path)
+    metadata = read_metadata(reader, path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    hf_config = _build_hf_config(metadata, tensors, path, dtype)
+    hf_config = build_hf_config(metadata, tensors, path, dtype)
     _check_tensor_names(tensors, hf_config, path)
     model = GGUFModel(
         hf_config=hf_config,
-        tokenizer_json=_build_tokenizer_json(metadata, path),
-        tokenizer_config=_build_tokenizer_config(metadata, hf_config),
-        generation_config=_build_generation_config(metadata),
+        tokenizer_json=build_tokenizer_json(metadata, path),
+        tokenizer_config=build_tokenizer_config(metadata, hf_config),
+        generation_config=build_generation_config(metadata),
         path=path,
         tensors=tensors,
         dtype=dtype,
@@ -163,9 +135,9 @@ def load_gguf(
 def gguf_hf_config(path: str | Path) -> dict[str, Any]:
     """Return a GGUF file's config.json dict from its header, without reading the weights."""
     path = Path(path)
-    reader = _open_reader(path)
+    reader = open_reader(path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    return _build_hf_config(_read_metadata(reader, path), tensors, path, torch.float32)
+    return build_hf_config(read_metadata(reader, path), tensors, path, torch.float32)
 
 
 def tokenizer_from_gguf(model: GGUFModel) -> Tokenizer:
@@ -187,15 +159,15 @@ def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
     from infer8.tokenizer import Tokenizer
 
     path = Path(path)
-    reader = _open_reader(path)
-    metadata = _read_metadata(reader, path)
+    reader = open_reader(path)
+    metadata = read_metadata(reader, path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    hf_config = _build_hf_config(metadata, tensors, path, torch.float32)
-    tokenizer_config = _build_tokenizer_config(metadata, hf_config)
+    hf_config = build_hf_config(metadata, tensors, path, torch.float32)
+    tokenizer_config = build_tokenizer_config(metadata, hf_config)
     return Tokenizer(
-        HFTokenizer.from_str(_build_tokenizer_json(metadata, path)),
+        HFTokenizer.from_str(build_tokenizer_json(metadata, path)),
         tokenizer_config,
-        _eos_token_ids(metadata),
+        eos_token_ids(metadata),
         tokenizer_config.get("chat_template"),
     )
 
@@ -230,161 +202,6 @@ def convert_gguf_to_hf(
     return out_dir
 
 
-def _open_reader(path: Path) -> GGUFReader:
-    """Open a GGUF file, turning any parse failure into a ValueError that names the file."""
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    with path.open("rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ValueError(
-            f"{path} is not a GGUF file: it starts with {magic!r}, not the magic bytes {GGUF_MAGIC!r}"
-        )
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError, IndexError, KeyError... on a bad file
-        raise ValueError(
-            f"{path} is a corrupt or truncated GGUF file ({path.stat().st_size} bytes): "
-            f"{type(e).__name__}: {e}"
-        ) from e
-
-
-def _read_metadata(reader: GGUFReader, path: Path) -> dict[str, Any]:
-    """Return the key/value metadata as plain Python values."""
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            value = field.contents()
-        except (UnicodeDecodeError, IndexError, ValueError) as e:
-            raise ValueError(f"{path} has corrupt metadata under {key!r}: {e}") from e
-        if field.types and field.types[0] == GGUFValueType.BOOL:
-            value = bool(value)
-        metadata[key] = value
-    return metadata
-
-
-def _require(metadata: dict[str, Any], key: str, path: Path) -> Any:
-    """Return a metadata value that must be present."""
-    if key not in metadata:
-        raise ValueError(f"{path} lacks the metadata key {key!r}")
-    return metadata[key]
-
-
-def _float32_to_float(value: float) -> float:
-    """Return the shortest decimal that rounds to the same float32 (1e-05, not 9.99999974e-06)."""
-    return float(str(np.float32(value)))
-
-
-def _build_hf_config(
-    metadata: dict[str, Any], tensors: dict[str, ReaderTensor], path: Path, dtype: torch.dtype
-) -> dict[str, Any]:
-    """Return a Hugging Face config.json dict from the `<arch>.*` metadata."""
-    arch = _require(metadata, "general.architecture", path)
-    if arch not in ARCHITECTURES:
-        raise ValueError(
-            f"{path} has architecture {arch!r}, which infer8 cannot load; "
-            f"supported: {', '.join(sorted(ARCHITECTURES))}"
-        )
-    hf_architecture, model_type = ARCHITECTURES[arch]
-    hidden_size = int(_require(metadata, f"{arch}.embedding_length", path))
-    num_heads = int(_require(metadata, f"{arch}.attention.head_count", path))
-    num_kv_heads = metadata.get(f"{arch}.attention.head_count_kv", num_heads)
-    if isinstance(num_kv_heads, list):
-        if len(set(num_kv_heads)) != 1:
-            raise ValueError(f"{path} has a per-layer KV head count {num_kv_heads}; unsupported")
-        num_kv_heads = num_kv_heads[0]
-    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden_size // num_heads))
-    rotary_dim = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
-    if rotary_dim != head_dim:
-        raise ValueError(
-            f"{path} applies rotary embeddings to {rotary_dim} of {head_dim} head dims; "
-            "partial rotary embeddings are unsupported"
-        )
-    if "rope_freqs.weight" in tensors:
-        raise ValueError(
-            f"{path} carries per-frequency rope factors (rope_freqs.weight, Llama 3.1-style rope "
-            "scaling), which infer8 cannot load from GGUF"
-        )
-    vocab_size = metadata.get(f"{arch}.vocab_size")
-    if vocab_size is None and "token_embd.weight" in tensors:
-        vocab_size = int(tensors["token_embd.weight"].shape[-1])
-    if vocab_size is None:
-        vocab_size = len(_require(metadata, "tokenizer.ggml.tokens", path))
-    config: dict[str, Any] = {
-        "architectures": [hf_architecture],
-        "model_type": model_type,
-        "vocab_size": int(vocab_size),
-        "hidden_size": hidden_size,
-        "intermediate_size": int(_require(metadata, f"{arch}.feed_forward_length", path)),
-        "num_hidden_layers": int(_require(metadata, f"{arch}.block_count", path)),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(num_kv_heads),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _float32_to_float(
-            _require(metadata, f"{arch}.attention.layer_norm_rms_epsilon", path)
-        ),
-        "rope_theta": _float32_to_float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_require(metadata, f"{arch}.context_length", path)),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-    if "tokenizer.ggml.padding_token_id" in metadata:
-        config["pad_token_id"] = metadata["tokenizer.ggml.padding_token_id"]
-    rope_scaling = _rope_scaling(metadata, arch, path)
-    if rope_scaling is not None:
-        config["rope_scaling"] = rope_scaling
-    if model_type == "qwen2":
-        config["attention_bias"] = True
-        config["use_sliding_window"] = False
-    return config
-
-
-def _rope_scaling(metadata: dict[str, Any], arch: str, path: Path) -> dict[str, Any] | None:
-    """Return Hugging Face `rope_scaling` for the supported GGUF rope scaling types."""
-    scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
-    factor = metadata.get(f"{arch}.rope.scaling.factor", 1.0)
-    if scaling_type == "none" or factor == 1.0:
-        return None
-    if scaling_type == "linear":
-        return {"rope_type": "linear", "factor": _float32_to_float(factor)}
-    raise ValueError(f"{path} uses rope scaling {scaling_type!r}; only 'linear' is supported")
-
-
-def _expected_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Return every Hugging Face parameter name this config needs, with its shape."""
-    hidden = hf_config["hidden_size"]
-    q_size = hf_config["num_attention_heads"] * hf_config["head_dim"]
-    kv_size = hf_config["num_key_value_heads"] * hf_config["head_dim"]
-    inter = hf_config["intermediate_size"]
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (hf_config["vocab_size"], hidden),
-        "model.norm.weight": (hidden,),
-    }
-    if not hf_config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (hf_config["vocab_size"], hidden)
-    for layer in range(hf_config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}."
-        shapes[prefix + "input_layernorm.weight"] = (hidden,)
-        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
-        shapes[prefix + "self_attn.q_proj.weight"] = (q_size, hidden)
-        shapes[prefix + "self_attn.k_proj.weight"] = (kv_size, hidden)
-        shapes[prefix + "self_attn.v_proj.weight"] = (kv_size, hidden)
-        shapes[prefix + "self_attn.o_proj.weight"] = (hidden, q_size)
-        shapes[prefix + "mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[prefix + "mlp.up_proj.weight"] = (inter, hidden)
-        shapes[prefix + "mlp.down_proj.weight"] = (hidden, inter)
-        if hf_config.get("attention_bias"):
-            shapes[prefix + "self_attn.q_proj.bias"] = (q_size,)
-            shapes[prefix + "self_attn.k_proj.bias"] = (kv_size,)
-            shapes[prefix + "self_attn.v_proj.bias"] = (kv_size,)
-    return shapes
-
-
 def hf_tensor_name(gguf_name: str) -> str | None:
     """Return the Hugging Face name of a llama.cpp tensor name, or None if it has none."""
     if gguf_name in _GLOBAL_TENSOR_TO_HF:
@@ -402,7 +219,7 @@ def _check_tensor_names(
     tensors: dict[str, ReaderTensor], hf_config: dict[str, Any], path: Path
 ) -> None:
     """Refuse a file whose tensors are not exactly those the config's model needs."""
-    expected = _expected_shapes(hf_config)
+    expected = expected_shapes(hf_config)
     gguf_to_hf = {name: hf_tensor_name(name) for name in tensors}
     unknown = sorted(name for name, hf_name in gguf_to_hf.items() if hf_name not in expected)
     if unknown:
@@ -421,7 +238,7 @@ def _iter_weights(
     tensors: dict[str, ReaderTensor], hf_config: dict[str, Any], path: Path, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantize, rename, un-permute and shape-check each tensor of the file, one at a time."""
-    expected = _expected_shapes(hf_config)
+    expected = expected_shapes(hf_config)
     # llama.cpp interleaves q/k rows per head for its rotary kernel; Qwen2 is converted as is.
     permute_rotary = hf_config["model_type"] == "llama"
     for gguf_name, reader_tensor in tensors.items():
@@ -469,161 +286,6 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     # llama.cpp wrote rows as [head, half_head_dim, 2]; Hugging Face wants [head, 2, half_head_dim].
     grouped = weight.reshape(num_heads, half_head_dim, 2, *weight.shape[1:])
     return grouped.transpose(1, 2).reshape(weight.shape)
-
-
-@cache
-def _bytes_to_unicode() -> dict[int, str]:
-    """Return GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    byte_to_char = {b: chr(b) for b in printable}
-    num_extra = 0
-    for b in range(256):
-        if b not in byte_to_char:
-            byte_to_char[b] = chr(256 + num_extra)
-            num_extra += 1
-    return byte_to_char
-
-
-def _build_tokenizer_json(metadata: dict[str, Any], path: Path) -> str:
-    """Return a `tokenizers` tokenizer.json rebuilt from the `tokenizer.ggml.*` metadata."""
-    tokenizer_model = metadata.get("tokenizer.ggml.model")
-    if tokenizer_model != "gpt2":
-        raise ValueError(
-            f"{path} has tokenizer model {tokenizer_model!r}; infer8 can only rebuild byte-level "
-            "BPE ('gpt2') tokenizers from GGUF"
-        )
-    tokens: list[str] = _require(metadata, "tokenizer.ggml.tokens", path)
-    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [
-        _TOKEN_TYPE_NORMAL
-    ] * len(tokens)
-    merges = _parse_merges(_require(metadata, "tokenizer.ggml.merges", path), path)
-    byte_to_char = _bytes_to_unicode()
-    alphabet = set(byte_to_char.values())
-    vocab: dict[str, int] = {}
-    special: list[AddedToken] = []
-    user_defined: list[AddedToken] = []
-    for token_id, (token, token_type) in enumerate(zip(tokens, token_types, strict=True)):
-        if token_type == _TOKEN_TYPE_CONTROL:
-            special.append(AddedToken(token, special=True, normalized=False))
-        elif token_type == _TOKEN_TYPE_USER_DEFINED:
-            user_defined.append(AddedToken(token, special=False, normalized=False))
-        elif not set(token) <= alphabet:
-            # A regular token spelled in raw text: respell it in the byte alphabet.
-            token = "".join(byte_to_char[b] for b in token.encode("utf-8"))
-        # Added tokens keep their raw text as the vocab key, as in a Hugging Face tokenizer.json.
-        vocab.setdefault(token, token_id)
-    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    pre = metadata.get("tokenizer.ggml.pre", "default")
-    tokenizer.normalizer = normalizers.NFC() if pre in _QWEN2_PRE else None
-    tokenizer.pre_tokenizer = _pre_tokenizer(pre, path)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(special)
-    tokenizer.add_tokens(user_defined)
-    post_processor = _post_processor(metadata, tokens)
-    if post_processor is not None:
-        tokenizer.post_processor = post_processor
-    return tokenizer.to_str()
-
-
-def _parse_merges(merges: Iterable[str], path: Path) -> list[tuple[str, str]]:
-    """Split llama.cpp's "left right" merge strings into pairs."""
-    pairs = []
-    for merge in merges:
-        left, sep, right = merge.partition(" ")
-        if not sep or not left or not right:
-            raise ValueError(f"{path} has a malformed BPE merge {merge!r}")
-        pairs.append((left, right))
-    return pairs
-
-
-def _pre_tokenizer(pre: str, path: Path) -> pre_tokenizers.PreTokenizer:
-    """Return the pre-tokenizer that splits text like llama.cpp does for this `ggml.pre` type."""
-    byte_level_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    byte_level_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in _DIGITS_THEN_GPT2_PRE:
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level_regex]
-        )
-    if pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
-        split = _LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level_only]
-        )
-    if pre not in _GPT2_PRE:
-        logger.warning(
-            "%s: unknown pre-tokenizer type %r; splitting text with the GPT-2 regex", path, pre
-        )
-    return byte_level_regex
-
-
-def _post_processor(metadata: dict[str, Any], tokens: list[str]) -> processors.PostProcessor | None:
-    """Return a post-processor adding BOS/EOS when the file says llama.cpp adds them."""
-    add_bos = metadata.get("tokenizer.ggml.add_bos_token", False)
-    add_eos = metadata.get("tokenizer.ggml.add_eos_token", False)
-    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-    eos_id = metadata.get("tokenizer.ggml.eos_token_id")
-    bos = [(tokens[bos_id], bos_id)] if add_bos and bos_id is not None else []
-    eos = [(tokens[eos_id], eos_id)] if add_eos and eos_id is not None else []
-    if not bos and not eos:
-        return None
-
-    def template(sequence: str, type_id: int) -> list[str]:
-        pieces = [token for token, _ in bos] + [sequence] + [token for token, _ in eos]
-        return [f"{piece}:{type_id}" for piece in pieces]
-
-    return processors.TemplateProcessing(
-        single=template("$A", 0),
-        pair=template("$A", 0) + template("$B", 1),
-        special_tokens=list(dict.fromkeys(bos + eos)),
-    )
-
-
-def _build_tokenizer_config(metadata: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, Any]:
-    """Return a tokenizer_config.json dict: special tokens, chat template, BOS/EOS policy."""
-    tokens = metadata.get("tokenizer.ggml.tokens", [])
-
-    def token_text(key: str) -> str | None:
-        token_id = metadata.get(f"tokenizer.ggml.{key}")
-        return tokens[token_id] if token_id is not None and token_id < len(tokens) else None
-
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token_text("bos_token_id"),
-        "eos_token": token_text("eos_token_id"),
-        "pad_token": token_text("padding_token_id"),
-        "unk_token": token_text("unknown_token_id"),
-        "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": hf_config["max_position_embeddings"],
-    }
-    if "tokenizer.chat_template" in metadata:
-        config["chat_template"] = metadata["tokenizer.chat_template"]
-    return config
-
-
-def _eos_token_ids(metadata: dict[str, Any]) -> list[int]:
-    """Return the ids that end a turn: EOS, plus end-of-turn/message tokens where distinct."""
-    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-    ids = [metadata.get(f"tokenizer.ggml.{key}") for key in keys]
-    return list(dict.fromkeys(i for i in ids if i is not None))
-
-
-def _build_generation_config(metadata: dict[str, Any]) -> dict[str, Any]:
-    """Return a generation_config.json dict carrying the BOS/EOS/pad ids."""
-    config: dict[str, Any] = {}
-    if "tokenizer.ggml.bos_token_id" in metadata:
-        config["bos_token_id"] = metadata["tokenizer.ggml.bos_token_id"]
-    eos_ids = _eos_token_ids(metadata)
-    if eos_ids:
-        config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
-    if "tokenizer.ggml.padding_token_id" in metadata:
-        config["pad_token_id"] = metadata["tokenizer.ggml.padding_token_id"]
-    return config
 
 
 def _preview(names: list[str], limit: int = 5) -> str:
