@@ -43,7 +43,8 @@ from infer8.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from infer8.entrypoints.openai.serving import OpenAIServing
+from infer8.entrypoints.openai.serving_chat import OpenAIServingChat
+from infer8.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from infer8.entrypoints.openai.vllm_compat import parse_json_list
 from infer8.entrypoints.sse import SSEResponse, wait_for_disconnect
 from infer8.metrics import EngineMetrics
@@ -123,7 +124,8 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     supervision = SupervisionConfig(step_timeout_s, config.max_engine_restarts)
     engine_client = AsyncLLMEngine(engine, metrics, config.max_waiting_requests, supervision)
     tool_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
-    serving = OpenAIServing(engine_client, model_name, tool_parser)
+    completions = OpenAIServingCompletion(engine_client, model_name, tool_parser)
+    chat = OpenAIServingChat(engine_client, model_name, tool_parser, completions.executor)
     recorder = StepRecorder(engine, metrics)  # the web console's engine view
     engine.stat_loggers.append(recorder.on_step)
     engine_client.idle_loggers.append(recorder.on_idle)
@@ -135,7 +137,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
             yield
         finally:
             await asyncio.to_thread(engine_client.shutdown)
-            serving.executor.shutdown(wait=False)
+            completions.executor.shutdown(wait=False)  # chat's too: one pool
 
     docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "openapi_url": None}
     docs.update(redoc_url=None)
@@ -191,24 +193,24 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
 
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
-        await serving.precompile(body)  # grammars compile in a thread: 400 if invalid
-        sub = await serving.submit_completion(body)
+        await completions.precompile(body)  # grammars compile in a thread: 400 if invalid
+        sub = await completions.submit_completion(body)
         if body.stream:
-            return EventStreamResponse(serving.stream_completion(body, sub), sub.group)
+            return EventStreamResponse(completions.stream_completion(body, sub), sub.group)
         try:
-            result = await _unless_disconnected(raw_request, serving.complete(body, sub))
+            result = await _unless_disconnected(raw_request, completions.complete(body, sub))
         finally:
             sub.group.abort()
         return _json_or_gone(result)
 
     @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        await serving.precompile(body)
-        sub = await serving.submit_chat(body)
+        await chat.precompile(body)
+        sub = await chat.submit_chat(body)
         if body.stream:
-            return EventStreamResponse(serving.stream_chat(body, sub), sub.group)
+            return EventStreamResponse(chat.stream_chat(body, sub), sub.group)
         try:
-            result = await _unless_disconnected(raw_request, serving.chat(body, sub))
+            result = await _unless_disconnected(raw_request, chat.chat(body, sub))
         finally:
             sub.group.abort()
         return _json_or_gone(result)
@@ -226,9 +228,9 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
 
     @app.post("/tokenize", responses=_errors(400, 401, 404, 413))
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
-        serving.check_model(body.model)
+        chat.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            token_ids = serving.chat_prompt(
+            token_ids = chat.chat_prompt(
                 body.messages, body.add_generation_prompt, body.chat_template_kwargs
             )
         else:
@@ -242,8 +244,8 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
 
     @app.post("/detokenize", responses=_errors(400, 401, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
-        serving.check_model(body.model)
-        serving.check_token_ids(body.tokens, "tokens")
+        completions.check_model(body.model)
+        completions.check_token_ids(body.tokens, "tokens")
         text = engine.tokenizer.decode(body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
