@@ -262,6 +262,12 @@ class AsyncLLMEngine:
         return limit is not None and self._num_waiting >= limit
 
     @property
+    def is_idle(self) -> bool:
+        """Return whether no API request is in flight."""
+        with self._lock:
+            return not self._groups
+
+    @property
     def num_restarts(self) -> int:
         """Return how many times the engine was rebuilt in-process."""
         return len(self._restart_times_s)

@@ -6,6 +6,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+# Deeper schemas are refused: compilers recurse over them (a C++ stack is no place to find out).
+MAX_SCHEMA_DEPTH = 64
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -46,8 +49,14 @@ class StructuredOutputsParams:
                 self.json = json.loads(self.json)
             except ValueError as e:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError(
+                    f"the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels"
+                ) from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError("the JSON schema must be a JSON object")
+        if isinstance(self.json, dict) and nesting_depth(self.json) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -70,3 +79,17 @@ class StructuredOutputsParams:
                 [self.kind, value, self.disable_any_whitespace], sort_keys=True, ensure_ascii=False
             )
         return self._key
+
+
+def nesting_depth(value: Any) -> int:
+    """Return how deeply JSON containers nest in value (iteratively: no recursion limit)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
+    return deepest

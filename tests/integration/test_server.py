@@ -615,20 +615,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_refused(url: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(url, timeout=0.5)
-        except httpx.TransportError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{url} still accepts connections")
-
-
 def test_seed_command_line_serves_and_sigterm_drains_in_flight(llama_dir: Path) -> None:
     port = _free_port()
     argv = [sys.executable, "-c", _LAUNCH, f"--model={llama_dir}", *SEED_FLAGS, f"--port={port}"]
+    argv.append("--shutdown-grace-period-s=10")
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
@@ -645,13 +635,23 @@ def test_seed_command_line_serves_and_sigterm_drains_in_flight(llama_dir: Path) 
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
+            signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            _wait_refused(f"{url}/health")  # stops accepting while the stream drains
+            # the listener stays up for the grace period: new work gets 503 + Connection: close
+            deadline = time.monotonic() + 3
+            while httpx.get(f"{url}/ready", timeout=2).status_code != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            refused = httpx.post(f"{url}/v1/completions", json=body, timeout=5)
+            assert refused.status_code == 503 and refused.headers["connection"] == "close"
+            assert refused.json()["error"]["code"] == "server_shutting_down"
             events = [first] + [line for line in lines if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
         last = json.loads(events[-2][6:])
         assert last["choices"][0]["finish_reason"] == "length"  # drained, not cut off
+        assert httpx.get(f"{url}/health", timeout=2).status_code == 200  # alive until the end
         assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - signalled >= 9.5  # the whole grace period
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=1)
     finally:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from collections.abc import Callable
 from types import FrameType
-
-import uvicorn
+from typing import Any
 
 from infer8.config import EngineArgs
 from infer8.distributed.launch import launched_env, run_launched_worker
@@ -19,6 +17,7 @@ from infer8.entrypoints.openai.cli_args import (
     print_compat_warnings,
     serve_args_from,
 )
+from infer8.entrypoints.openai.http_server import DrainingServer, make_config
 from infer8.entrypoints.openai.server import create_app
 from infer8.entrypoints.preflight import check_port, preflight
 
@@ -29,23 +28,13 @@ def _note_signal(signum: int, frame: FrameType | None) -> None:
     logger.info("received signal %d after shutdown", signum)
 
 
-class _DrainingServer(uvicorn.Server):
-    """A uvicorn server that, on SIGTERM / SIGINT, first makes the engine refuse new work.
-
-    It also ends the web console's endless streams, which the drain would otherwise wait for.
-    """
-
-    def __init__(self, config: uvicorn.Config, on_exit_signal: Callable[[], None]) -> None:
-        super().__init__(config)
-        self.on_exit_signal = on_exit_signal
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.on_exit_signal()
-        self.config.app.state.console_recorder.close()
-        super().handle_exit(sig, frame)
-
-
 _GIL_SWITCH_INTERVAL_S = 0.001
+
+
+def _drain(app: Any, abort_after_s: float) -> None:
+    """Refuse new work, abort what still runs after abort_after_s, end the console's streams."""
+    app.state.engine_client.start_drain(abort_after_s)
+    app.state.console_recorder.close()
 
 
 def run_server(engine_args: EngineArgs, server_config: ServerConfig) -> int:
@@ -70,21 +59,15 @@ def run_server(engine_args: EngineArgs, server_config: ServerConfig) -> int:
     engine = LLMEngine(engine_args)
     app = create_app(engine, server_config)
     engine_client = app.state.engine_client
-    config = uvicorn.Config(
-        app,
-        host=server_config.host,
-        port=server_config.port,
-        log_level=server_config.uvicorn_log_level,
-        timeout_graceful_shutdown=server_config.shutdown_grace_period_s,  # type: ignore[arg-type]
-        access_log=not server_config.disable_uvicorn_access_log,
-        root_path=server_config.root_path or "",
-        ssl_keyfile=server_config.ssl_keyfile,
-        ssl_certfile=server_config.ssl_certfile,
-    )
-    grace_s = server_config.shutdown_grace_period_s
+    config = make_config(app, server_config)
     # New requests get 503 at once; those still running a second before the grace period ends
-    # are aborted, so every stream gets its final event before uvicorn closes the connections.
-    server = _DrainingServer(config, lambda: engine_client.start_drain(max(0.0, grace_s - 1.0)))
+    # are aborted, so every stream gets its final event before the connections close.
+    server = DrainingServer(
+        config,
+        server_config.shutdown_grace_period_s,
+        on_drain=lambda abort_after_s: _drain(app, abort_after_s),
+        is_idle=lambda: engine_client.is_idle,
+    )
     fatal_reasons: list[str] = []
 
     def on_fatal(reason: str) -> None:

@@ -9,6 +9,7 @@ import sys
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from infer8 import __version__
@@ -30,11 +31,22 @@ class ServerConfig:
 
     host: str = "0.0.0.0"
     port: int = 8000
-    api_key: str | None = None
+    # One or more keys (`--api-key K1 K2`), and/or a file of keys (one a line); each key is a
+    # tenant whose prefix-cache blocks no other key's requests can hit.
+    api_key: str | tuple[str, ...] | None = None
+    api_key_file: str | None = None
+    share_prefix_cache_across_api_keys: bool = False
+    metrics_require_api_key: bool = False
     # Requests accepted but not yet running; beyond it new requests get 503. None: unbounded.
     max_waiting_requests: int | None = None
     max_request_body_bytes: int = 16 << 20
     shutdown_grace_period_s: float = 25.0
+    # A connection must send a request's whole head within this (slow or idle sockets close);
+    # an idle keep-alive connection closes after timeout_keep_alive_s (uvicorn's setting).
+    timeout_request_header_s: float = 10.0
+    timeout_keep_alive_s: float = 5.0
+    # Open connections plus requests in flight; past it uvicorn answers 503. None: no limit.
+    limit_concurrency: int | None = 4096
     uvicorn_log_level: str = "info"
     # A step running longer than this marks the engine wedged; None: derived from the batch.
     engine_step_timeout_s: float | None = None
@@ -58,8 +70,16 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.api_key == "":
+        if isinstance(self.api_key, list):
+            object.__setattr__(self, "api_key", tuple(self.api_key))
+        keys = (self.api_key,) if isinstance(self.api_key, str) else self.api_key or ()
+        if any(not key for key in keys):
             raise ValueError("api_key must not be empty")
+        for name in ("timeout_request_header_s", "timeout_keep_alive_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError(f"limit_concurrency must be >= 1, got {self.limit_concurrency}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_request_body_bytes < 1:
@@ -87,6 +107,20 @@ class ServerConfig:
                 f"got {self.uvicorn_log_level!r}"
             )
 
+    def api_keys(self) -> list[str]:
+        """Return the accepted API keys: --api-key's, then one per non-blank line of the file."""
+        keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or ())
+        if self.api_key_file is not None:
+            try:
+                lines = Path(self.api_key_file).read_text().splitlines()
+            except OSError as e:
+                raise ValueError(f"--api-key-file {self.api_key_file}: {e.strerror}") from None
+            file_keys = [line.strip() for line in lines if line.strip()]
+            if not file_keys:
+                raise ValueError(f"--api-key-file {self.api_key_file} holds no key")
+            keys += file_keys
+        return keys
+
 
 _SERVER_CHOICES: dict[str, list[str]] = {
     "uvicorn_log_level": UVICORN_LOG_LEVELS,
@@ -95,7 +129,16 @@ _SERVER_CHOICES: dict[str, list[str]] = {
 _SERVER_HELP: dict[str, str] = {
     "host": "address to bind",
     "port": "port to bind (0: any free port)",
-    "api_key": "require `Authorization: Bearer KEY` on the API (not on /health, /metrics)",
+    "api_key": "require `Authorization: Bearer KEY` on the API (not on /health); several keys "
+    "allowed, each a tenant with its own prefix cache",
+    "api_key_file": "a file of API keys, one a line (added to --api-key's)",
+    "share_prefix_cache_across_api_keys": "let requests under different API keys hit each "
+    "other's prefix-cache blocks (a shared cache reveals, by timing, which prompts others sent)",
+    "metrics_require_api_key": "require the API key on /metrics too",
+    "timeout_request_header_s": "close a connection that has not sent a whole request head "
+    "within this many seconds (slow or idle clients)",
+    "timeout_keep_alive_s": "close an idle keep-alive connection after this many seconds",
+    "limit_concurrency": "open connections plus requests in flight; past it: 503",
     "max_waiting_requests": "bound on accepted requests not yet running; beyond it: 503",
     "max_request_body_bytes": "larger request bodies are refused with 413",
     "shutdown_grace_period_s": "on SIGTERM, how long in-flight requests may run before abort",
@@ -144,7 +187,8 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
             continue
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
-            type=_field_type(ServerConfig, f.name),
+            type=str if f.name == "api_key" else _field_type(ServerConfig, f.name),
+            nargs="+" if f.name == "api_key" else None,
             default=default,
             choices=_SERVER_CHOICES.get(f.name),
             help=f"{_SERVER_HELP[f.name]} (default: {default})",
@@ -175,13 +219,20 @@ def serve_args_from(ns: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
     for name in ("max_waiting_requests",):
         if values[name] is not None:
             values[name] = int(values[name])
-    values["shutdown_grace_period_s"] = float(values["shutdown_grace_period_s"])
+    for name in ("shutdown_grace_period_s", "timeout_request_header_s", "timeout_keep_alive_s"):
+        values[name] = float(values[name])
+    if isinstance(values["api_key"], list):
+        values["api_key"] = (
+            values["api_key"][0] if len(values["api_key"]) == 1 else tuple(values["api_key"])
+        )
     for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
         if values[name] is not None:
             parse_json_list(values[name], "--" + name.replace("_", "-"))
     if os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0", "false", "False"):
         values["enable_server_dev_mode"] = True
-    return engine_args, ServerConfig(**values)
+    server_config = ServerConfig(**values)
+    server_config.api_keys()  # a missing or empty key file: refused before anything loads
+    return engine_args, server_config
 
 
 class _ServeArgumentParser(argparse.ArgumentParser):

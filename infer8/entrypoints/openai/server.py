@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -12,11 +11,10 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer8 import __version__
 from infer8.engine import LLMEngine
@@ -28,13 +26,20 @@ from infer8.entrypoints.async_engine import (
 )
 from infer8.entrypoints.console import CONSOLE_PUBLIC_PATHS, StepRecorder, add_console_routes
 from infer8.entrypoints.openai.cli_args import ServerConfig
+from infer8.entrypoints.openai.guards import (
+    AdmissionMiddleware,
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    JSONBodyMiddleware,
+    SecurityHeadersMiddleware,
+    error_response,
+)
 from infer8.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorInfo,
     ErrorResponse,
     HealthResponse,
     ModelCard,
@@ -43,6 +48,8 @@ from infer8.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from infer8.entrypoints.openai.request_limits import guarded_route, raw_limits
+from infer8.entrypoints.openai.serving import WorkPool
 from infer8.entrypoints.openai.serving_chat import OpenAIServingChat
 from infer8.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from infer8.entrypoints.openai.vllm_compat import parse_json_list
@@ -52,13 +59,13 @@ from infer8.metrics import EngineMetrics
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# Paths open without the API key (probes and scrapers), as in vLLM.
+# Paths open without the API key (probes, scrapers, docs), as in vLLM; /metrics too unless
+# --metrics-require-api-key.
 _PUBLIC_PATHS = (
-    frozenset({"/health", "/ready", "/version", "/metrics", "/openapi.json", "/docs"})
+    frozenset({"/health", "/ready", "/version", "/openapi.json", "/docs"})
+    | frozenset(f"/docs/{name}" for name in ("swagger-ui.css", "swagger-ui-bundle.js"))
     | CONSOLE_PUBLIC_PATHS
 )
-# Paths that start generation: refused at once (before parsing) when overloaded or draining.
-_GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _MIN_STEP_TIMEOUT_S = 120.0
 # A conservative sustained rate for the watchdog's estimate of the longest legitimate step.
 _WATCHDOG_FLOPS_PER_S = {"cpu": 10e9, "cuda": 10e12}
@@ -124,8 +131,10 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     supervision = SupervisionConfig(step_timeout_s, config.max_engine_restarts)
     engine_client = AsyncLLMEngine(engine, metrics, config.max_waiting_requests, supervision)
     tool_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
-    completions = OpenAIServingCompletion(engine_client, model_name, tool_parser)
-    chat = OpenAIServingChat(engine_client, model_name, tool_parser, completions.executor)
+    api_keys = config.api_keys()
+    pool = WorkPool()
+    completions = OpenAIServingCompletion(engine_client, model_name, tool_parser, pool)
+    chat = OpenAIServingChat(engine_client, model_name, tool_parser, pool)
     recorder = StepRecorder(engine, metrics)  # the web console's engine view
     engine.stat_loggers.append(recorder.on_step)
     engine_client.idle_loggers.append(recorder.on_idle)
@@ -137,20 +146,31 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
             yield
         finally:
             await asyncio.to_thread(engine_client.shutdown)
-            completions.executor.shutdown(wait=False)  # chat's too: one pool
+            pool.shutdown()
 
-    docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "openapi_url": None}
-    docs.update(redoc_url=None)
+    # /docs is served below from the package's Swagger UI files (no CDN).
+    docs: dict[str, Any] = {"docs_url": None, "redoc_url": None}
+    if config.disable_fastapi_docs:
+        docs["openapi_url"] = None
     app = FastAPI(title="infer8", version=__version__, lifespan=lifespan, **docs)
+    app.router.route_class = guarded_route(raw_limits(engine.max_model_len))
     app.state.engine_client = engine_client
     app.state.metrics = metrics
     app.state.console_recorder = recorder
     _add_error_handlers(app)
+    app.add_middleware(JSONBodyMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
-    if config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
-    # Outermost of ours: an overload or drain 503 costs no parsing and no key check.
+    if api_keys:
+        public = _PUBLIC_PATHS if config.metrics_require_api_key else _PUBLIC_PATHS | {"/metrics"}
+        app.add_middleware(
+            APIKeyMiddleware,
+            api_keys=api_keys,
+            public_paths=public,
+            share_prefix_cache=config.share_prefix_cache_across_api_keys,
+        )
+    # An overload or drain 503 costs no parsing and no key check.
     app.add_middleware(AdmissionMiddleware, engine_client=engine_client)
+    app.add_middleware(SecurityHeadersMiddleware)
     if config.allowed_origins is not None:  # CORS, outermost so preflights need no key
         app.add_middleware(
             CORSMiddleware,
@@ -194,7 +214,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         await completions.precompile(body)  # grammars compile in a thread: 400 if invalid
-        sub = await completions.submit_completion(body)
+        sub = await completions.submit_completion(body, _tenant(raw_request))
         if body.stream:
             return EventStreamResponse(completions.stream_completion(body, sub), sub.group)
         try:
@@ -206,7 +226,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         await chat.precompile(body)
-        sub = await chat.submit_chat(body)
+        sub = await chat.submit_chat(body, _tenant(raw_request))
         if body.stream:
             return EventStreamResponse(chat.stream_chat(body, sub), sub.group)
         try:
@@ -226,47 +246,41 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
                 raise APIError(503, str(e), "server_error", code="engine_unavailable") from None
             return JSONResponse({"num_dropped_blocks": num_blocks})
 
-    @app.post("/tokenize", responses=_errors(400, 401, 404, 413))
+    @app.post("/tokenize", responses=_errors(400, 401, 404, 413, 503))
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
+        """Tokenize a prompt or apply the chat template, in the tokenizer pool."""
         chat.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            token_ids = chat.chat_prompt(
-                body.messages, body.add_generation_prompt, body.chat_template_kwargs
+            token_ids = await pool.run(
+                chat.chat_prompt,
+                body.messages,
+                body.add_generation_prompt,
+                body.chat_template_kwargs,
             )
         else:
-            token_ids = engine.tokenizer.encode(
-                body.prompt, add_special_tokens=body.add_special_tokens
-            )
+            chat.check_text_length(len(body.prompt), "prompt")  # before any tokenizing
+            token_ids = await pool.run(chat.encode, body.prompt, "prompt", body.add_special_tokens)
         response = TokenizeResponse(
             count=len(token_ids), max_model_len=engine.max_model_len, tokens=token_ids
         )
         return JSONResponse(response.model_dump())
 
-    @app.post("/detokenize", responses=_errors(400, 401, 404, 413))
+    @app.post("/detokenize", responses=_errors(400, 401, 404, 413, 503))
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        """Decode token ids, in the tokenizer pool."""
         completions.check_model(body.model)
         completions.check_token_ids(body.tokens, "tokens")
-        text = engine.tokenizer.decode(body.tokens)
+        text = await pool.run(engine.tokenizer.decode, body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+    if not config.disable_fastapi_docs:
+        _add_docs_routes(app)
 
     add_console_routes(app, recorder, is_key_required=config.api_key is not None)
     return app
 
 
 # -- errors ------------------------------------------------------------------------------------
-def error_response(
-    status_code: int,
-    message: str,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    """Return OpenAI's error JSON with a status code."""
-    info = ErrorInfo(message=message, type=type_, param=param, code=code)
-    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code, headers=headers)
-
-
 def _add_error_handlers(app: FastAPI) -> None:
     """Answer every failure with OpenAI's error JSON: 4xx for the client's, 500 for ours."""
 
@@ -306,6 +320,38 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(500, "internal server error (see the server log)", "server_error")
 
 
+def _tenant(request: Request) -> str | None:
+    """Return the request's tenant salt (set by the API key guard), if any."""
+    return getattr(request.state, "tenant", None)
+
+
+def _add_docs_routes(app: FastAPI) -> None:
+    """Serve Swagger UI at /docs from the package's copy of its files (no CDN)."""
+    from swagger_ui_bundle import swagger_ui_path
+
+    assets = {"swagger-ui.css": "text/css", "swagger-ui-bundle.js": "text/javascript"}
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title="infer8 API",
+            swagger_js_url="/docs/swagger-ui-bundle.js",
+            swagger_css_url="/docs/swagger-ui.css",
+            swagger_favicon_url="/favicon.ico",
+        )
+
+    for name, media_type in assets.items():
+        app.add_api_route(
+            f"/docs/{name}",
+            lambda name=name, media_type=media_type: FileResponse(
+                swagger_ui_path / name, media_type=media_type
+            ),
+            methods=["GET"],
+            include_in_schema=False,
+        )
+
+
 # -- client disconnects ------------------------------------------------------------------------
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Run work until done, or cancel it when the client goes away (then return None)."""
@@ -339,117 +385,3 @@ class EventStreamResponse(SSEResponse):
     async def on_close(self) -> None:
         self.group.abort()
         await super().on_close()
-
-
-# -- guards ------------------------------------------------------------------------------------
-class AdmissionMiddleware:
-    """Refuses generation requests at once, before reading the body, when draining or full.
-
-    The two answers are rendered once, so a 503 under a burst costs no parsing, no tokenization
-    and no JSON encoding.
-    """
-
-    def __init__(self, app: ASGIApp, engine_client: AsyncLLMEngine) -> None:
-        self.app = app
-        self.engine_client = engine_client
-        self.draining = error_response(
-            503,
-            "the server is shutting down; retry on another replica",
-            "server_error",
-            code="server_shutting_down",
-            headers={"Connection": "close"},
-        )
-        self.overloaded = error_response(
-            503,
-            f"the server is overloaded (--max-waiting-requests "
-            f"{engine_client.max_waiting_requests} reached); retry later",
-            "server_overloaded",
-            code="server_overloaded",
-            headers={"Retry-After": "1"},
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in _GENERATE_PATHS:
-            client = self.engine_client
-            if client.is_draining:
-                await self.draining(scope, receive, send)
-                return
-            if client.is_overloaded:
-                if client.metrics is not None:
-                    client.metrics.on_rejected()
-                await self.overloaded(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class APIKeyMiddleware:
-    """Refuses requests without `Authorization: Bearer <api_key>` (probes and /metrics open)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _PUBLIC_PATHS:
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
-                response = error_response(
-                    401,
-                    "Incorrect or missing API key; send `Authorization: Bearer <key>`.",
-                    code="invalid_api_key",
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class BodySizeLimitMiddleware:
-    """Refuses request bodies over the limit with 413, declared or chunked."""
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    def _too_large(self) -> JSONResponse:
-        return error_response(
-            413,
-            f"The request body exceeds {self.max_body_bytes} bytes.",
-            code="request_too_large",
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = Headers(scope=scope).get("content-length")
-        if declared is not None:
-            # The HTTP server enforces the declared length, so checking it is enough.
-            if declared.isdigit() and int(declared) > self.max_body_bytes:
-                await self._too_large()(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
-            return
-        # No declared length (chunked): read the body up to the limit before the app sees it.
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                await self._too_large()(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        is_replayed = False
-
-        async def replay() -> Message:
-            nonlocal is_replayed
-            if is_replayed:
-                return await receive()
-            is_replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        await self.app(scope, replay, send)

@@ -11,7 +11,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from infer8.entrypoints.async_engine import (
     AsyncLLMEngine,
@@ -27,13 +27,13 @@ from infer8.entrypoints.openai.protocol import (
     CompletionRequest,
     UsageInfo,
 )
+from infer8.entrypoints.openai.request_limits import MAX_ENGINE_REQUESTS_PER_API_REQUEST
 from infer8.entrypoints.openai.structured import compile_or_400, request_constraint
 from infer8.entrypoints.openai.tool_calls import ToolContext, resolve_tools
 from infer8.outputs import CompletionOutput, Logprobs, RequestOutput
 from infer8.sampling_params import RequestOutputKind, SamplingParams
 
-# One API request may fan out into at most this many engine requests (prompts x n).
-MAX_ENGINE_REQUESTS_PER_API_REQUEST = 1024
+T = TypeVar("T")
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 _CLOSE = {"Connection": "close"}
 
@@ -59,7 +59,7 @@ class OpenAIServing:
         engine_client: AsyncLLMEngine,
         model_name: str,
         tool_call_parser: str | None = None,
-        executor: concurrent.futures.ThreadPoolExecutor | None = None,
+        pool: WorkPool | None = None,
     ) -> None:
         self.engine_client = engine_client
         engine = engine_client.engine
@@ -73,10 +73,8 @@ class OpenAIServing:
         self.default_sampling = engine.default_sampling  # the model's generation config
         # Tokenization and templating run here, off the event loop, on at most all cores but one:
         # a flood of huge prompts then never takes the core the event loop and engine need.
-        # The completion and chat servings share one pool (`executor`, the other's).
-        self.executor = executor or concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="infer8-tokenize"
-        )
+        # The completion and chat servings share one pool (`pool`, the other's).
+        self.pool = pool or WorkPool()
 
     # -- shared validation ------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -152,8 +150,10 @@ class OpenAIServing:
         params: list[SamplingParams],
         cache_salt: str | None,
         loop: asyncio.AbstractEventLoop,
+        tenant: str | None = None,
     ) -> tuple[str, RequestGroup]:
         request_id = f"{kind}-{uuid.uuid4().hex}"
+        cache_salt = tenant_salt(tenant, cache_salt)
         try:
             group = self.engine_client.add_requests(request_id, prompts, params, cache_salt, loop)
         except EngineOverloadedError as e:
@@ -203,18 +203,70 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    def _encode(self, text: str, param: str) -> list[int]:
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize text that can fit the context (checked first); 400 if it cannot."""
         self.check_text_length(len(text), param)
         try:
-            return self.tokenizer.encode(text)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except ValueError as e:
             raise APIError(400, str(e), param=param) from None
 
 
+class WorkPool:
+    """The threads that tokenize, template and detokenize requests, with a bounded queue.
+
+    Sized to the machine (all cores but one); past `max_pending` queued or running calls the
+    next request is answered 503 at once instead of waiting behind the others.
+    """
+
+    def __init__(self, max_workers: int | None = None, max_pending: int = 1024) -> None:
+        workers = max_workers or max(1, (os.cpu_count() or 2) - 1)
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="infer8-tokenize"
+        )
+        self.max_pending = max_pending
+        self.num_pending = 0  # only read and written on the event loop
+
+    def submit(
+        self, loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *args: Any
+    ) -> asyncio.Future[T]:
+        """Queue fn(*args); APIError 503 when the queue is full."""
+        if self.num_pending >= self.max_pending:
+            raise APIError(
+                503,
+                f"the server is busy ({self.num_pending} requests being tokenized); retry later",
+                "server_overloaded",
+                code="server_overloaded",
+                headers={"Retry-After": "1"},
+            )
+        self.num_pending += 1
+        future = loop.run_in_executor(self.executor, fn, *args)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: asyncio.Future[Any]) -> None:
+        self.num_pending -= 1
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn(*args) in the pool and return its result."""
+        return await self.submit(asyncio.get_running_loop(), fn, *args)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False)
+
+
+def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """Return the prefix-cache salt of a request: its tenant's, then its own cache_salt."""
+    if tenant is None:
+        return cache_salt
+    return tenant if cache_salt is None else f"{tenant}:{cache_salt}"
+
+
 async def in_thread(
-    executor: concurrent.futures.Executor,
-    submit: Callable[[Any, asyncio.AbstractEventLoop], Submission],
+    pool: WorkPool,
+    submit: Callable[..., Submission],
     request: Any,
+    tenant: str | None = None,
 ) -> Submission:
     """Run a submit function in a worker thread (tokenizing there keeps the event loop free).
 
@@ -222,7 +274,7 @@ async def in_thread(
     its requests are then aborted instead of running for nobody.
     """
     loop = asyncio.get_running_loop()
-    future = loop.run_in_executor(executor, submit, request, loop)
+    future = pool.submit(loop, submit, request, loop, tenant)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
@@ -258,6 +310,16 @@ async def collect(
         texts.setdefault(index, []).append(completion.delta_text)
         token_ids.setdefault(index, []).extend(completion.delta_token_ids)
         logprobs.setdefault(index, []).extend(completion.logprobs or [])
+        if output.finished and completion.finish_reason == "abort":
+            # Not a complete answer: a status says so (the stream's final event does, streamed).
+            raise APIError(
+                503,
+                "the request was aborted before it finished (the server is shutting down); "
+                "retry on another replica",
+                "server_error",
+                code="request_aborted",
+                headers=_CLOSE,
+            )
         if output.finished:
             finals[index] = dataclasses.replace(
                 completion, text="".join(texts[index]), token_ids=token_ids[index]

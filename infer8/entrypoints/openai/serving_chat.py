@@ -50,6 +50,14 @@ class OpenAIServingChat(OpenAIServing):
         tools: ToolContext | None = None,
     ) -> list[int]:
         """Apply the chat template; template errors are the client's (400)."""
+        if len(messages) > self.max_model_len:  # each message is at least one token
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens; "
+                f"{len(messages)} messages cannot fit it.",
+                param="messages",
+                code="context_length_exceeded",
+            )
         self.check_text_length(sum(m.num_chars() for m in messages), "messages")
         try:
             conversation = [m.to_template_dict() for m in messages]
@@ -67,13 +75,15 @@ class OpenAIServingChat(OpenAIServing):
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
-    async def submit_chat(self, request: ChatCompletionRequest) -> Submission:
+    async def submit_chat(
+        self, request: ChatCompletionRequest, tenant: str | None = None
+    ) -> Submission:
         """Validate, apply the chat template (off the event loop) and submit a chat request."""
         self.check_model(request.model)
-        return await in_thread(self.executor, self._submit_chat, request)
+        return await in_thread(self.pool, self._submit_chat, request, tenant)
 
     def _submit_chat(
-        self, request: ChatCompletionRequest, loop: asyncio.AbstractEventLoop
+        self, request: ChatCompletionRequest, loop: asyncio.AbstractEventLoop, tenant: str | None
     ) -> Submission:
         tools = self._tool_context(request)
         constraint = request_constraint(request, tools)
@@ -91,7 +101,7 @@ class OpenAIServingChat(OpenAIServing):
         for p in params:
             p.structured_outputs = constraint
         request_id, group = self._submit(
-            "chatcmpl", [token_ids] * n, params, request.cache_salt, loop
+            "chatcmpl", [token_ids] * n, params, request.cache_salt, loop, tenant
         )
         return Submission(request_id, group, len(token_ids), *usage_flags(request), tools=tools)
 

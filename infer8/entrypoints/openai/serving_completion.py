@@ -32,21 +32,26 @@ from infer8.outputs import Logprobs
 class OpenAIServingCompletion(OpenAIServing):
     """Completions: tokenized off the event loop, echo and logprobs as OpenAI returns them."""
 
-    async def submit_completion(self, request: CompletionRequest) -> Submission:
-        """Validate, tokenize (off the event loop) and submit a completion request."""
+    async def submit_completion(
+        self, request: CompletionRequest, tenant: str | None = None
+    ) -> Submission:
+        """Validate, tokenize (off the event loop) and submit a completion request.
+
+        `tenant` (the API key's salt) keeps tenants' prefix-cache blocks apart.
+        """
         self.check_model(request.model)
-        return await in_thread(self.executor, self._submit_completion, request)
+        return await in_thread(self.pool, self._submit_completion, request, tenant)
 
     def _submit_completion(
-        self, request: CompletionRequest, loop: asyncio.AbstractEventLoop
+        self, request: CompletionRequest, loop: asyncio.AbstractEventLoop, tenant: str | None
     ) -> Submission:
         prompt = request.prompt
         texts: list[str | None]
         if isinstance(prompt, str):
-            texts, token_lists = [prompt], [self._encode(prompt, "prompt")]
+            texts, token_lists = [prompt], [self.encode(prompt, "prompt")]
         elif prompt and isinstance(prompt[0], str):
             texts = list(prompt)  # type: ignore[arg-type]
-            token_lists = [self._encode(p, "prompt") for p in texts]  # type: ignore[arg-type]
+            token_lists = [self.encode(p, "prompt") for p in texts]  # type: ignore[arg-type]
         elif prompt and isinstance(prompt[0], list):
             token_lists = [list(p) for p in prompt]  # type: ignore[union-attr]
             texts = [None] * len(token_lists)
@@ -67,7 +72,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     echo_texts.append(
                         text if text is not None else self.tokenizer.decode(token_ids)
                     )
-        request_id, group = self._submit("cmpl", prompts, params, request.cache_salt, loop)
+        request_id, group = self._submit("cmpl", prompts, params, request.cache_salt, loop, tenant)
         return Submission(
             request_id,
             group,
