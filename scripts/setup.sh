@@ -8,11 +8,12 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
+# Every dependency at the version CI tests (scripts/constraints.txt).
 if [ "${1:-}" != "test" ]; then
-  "$PY" -m pip install -q -e .
+  "$PY" -m pip install -q -c scripts/constraints.txt -e .
   exit 0
 fi
-"$PY" -m pip install -q -e ".[test,bench]"
+"$PY" -m pip install -q -c scripts/constraints.txt -e ".[test,bench]"
 # The web console's browser tests drive Debian's chromium through playwright (installed with the
 # test extra above); playwright's own browser download is not used. Root only, and only if missing.
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
