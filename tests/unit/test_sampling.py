@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -241,13 +240,15 @@ def test_top_p_among_candidates_keeps_the_full_vocabularys_support_and_distribut
     monkeypatch.setattr(sampler_mod, "_candidate_probs", candidates)
     monkeypatch.setattr(sampler_mod, "_probs", whole)
     sampler = Sampler(torch.device("cpu"), 0)
-    draws = 2000
+    draws, copies = 2000, 250  # each call samples `copies` independent rows of each kind
     counts = torch.zeros(3, vocab)
-    for _ in range(draws):
-        tokens = sampler(logits, [_state(**params) for _ in range(3)], []).token_ids
-        for row, token in enumerate(tokens):
-            counts[row, token] += 1
-    assert calls == [(3, first), (2, second), (1, 0)] * draws  # each row left at its tier
+    batch = logits.repeat(copies, 1)  # rows 0, 1, 2, 0, 1, 2, ...
+    for _ in range(draws // copies):
+        tokens = sampler(batch, [_state(**params) for _ in range(3 * copies)], []).token_ids
+        for i, token in enumerate(tokens):
+            counts[i % 3, token] += 1
+    # each row left at its tier
+    assert calls == [(3 * copies, first), (2 * copies, second), (copies, 0)] * (draws // copies)
     for row in range(3):
         assert bool((counts[row][expected[row] == 0] == 0).all()), f"row {row}: outside top-p"
         top = expected[row].topk(3)
@@ -257,7 +258,7 @@ def test_top_p_among_candidates_keeps_the_full_vocabularys_support_and_distribut
 
 
 def test_native_candidates_keep_the_sorted_vocabularys_support_and_distribution(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # On CPU the sampler takes each filtered row's candidates from one native pass: a peaked
     # row (few candidates), a flatter one (hundreds), one with top-k, and a nearly flat one
@@ -265,7 +266,7 @@ def test_native_candidates_keep_the_sorted_vocabularys_support_and_distribution(
     # support and probabilities.
     import infer8.worker.sampler as sampler_mod
 
-    native = NativeFP8Gather(build_library(tmp_path))
+    native = NativeFP8Gather(build_library())  # the shared build (compiled once per version)
     gen = torch.Generator().manual_seed(0)
     vocab = 5000
     logits = torch.randn(4, vocab, generator=gen)
@@ -296,13 +297,14 @@ def test_native_candidates_keep_the_sorted_vocabularys_support_and_distribution(
     monkeypatch.setattr(sampler_mod, "_candidate_probs", candidates)
     sampler = Sampler(torch.device("cpu"), 0)
     sampler.candidates = native.nucleus_candidates
-    draws = 2000
+    draws, copies = 2000, 250  # each call samples `copies` independent rows of each kind
     counts = torch.zeros(4, vocab)
-    for _ in range(draws):
-        tokens = sampler(logits, [_state(**p) for p in params], []).token_ids
-        for row, token in enumerate(tokens):
-            counts[row, token] += 1
-    assert set(tiers) == {1}  # only the nearly flat row reached the tiers
+    batch = logits.repeat(copies, 1)
+    for _ in range(draws // copies):
+        tokens = sampler(batch, [_state(**p) for p in params * copies], []).token_ids
+        for i, token in enumerate(tokens):
+            counts[i % 4, token] += 1
+    assert set(tiers) == {copies}  # only the nearly flat rows reached the tiers
     for row in range(4):
         assert bool((counts[row][expected[row] == 0] == 0).all()), f"row {row}: outside"
         top = expected[row].topk(3)
