@@ -26,6 +26,7 @@ from infer8.entrypoints.console.snapshot import (
     CELL_SHARED,
     histogram_quantile,
     metric_figures,
+    served_defaults,
 )
 from infer8.metrics import EngineMetrics
 from infer8.request import Request
@@ -47,6 +48,8 @@ class FakeEngine:
         self.num_blocks = NUM_BLOCKS
         self.kv_scale_source = "none"
         self.model_config = SimpleNamespace(served_model_name="fake", model="fake")
+        self.served_model_name = "fake"
+        self.default_sampling: dict[str, Any] = {}
         self.scheduler_config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64)
         self.max_model_len = 64
         self.last_stats = SchedulerStats()
@@ -317,6 +320,22 @@ def test_the_http_stream_unregisters_its_viewer_when_the_client_disconnects() ->
         assert recorder.num_viewers == 0 and not recorder._viewers
 
     asyncio.run(run())
+
+
+def test_served_defaults_are_what_a_request_without_sampling_fields_gets() -> None:
+    engine = FakeEngine()
+    engine.default_sampling = {"temperature": 0.2, "top_k": 40}  # the model's generation config
+    defaults = served_defaults(engine)  # type: ignore[arg-type]
+    assert defaults["model"] == "fake" and defaults["max_model_len"] == 64
+    # The model's values, and the API's own where the model sets none.
+    assert defaults["sampling"] == {
+        "temperature": 0.2,
+        "top_p": 1.0,
+        "top_k": 40,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+    }
+    assert defaults["generation_config"] == {"temperature": 0.2, "top_k": 40}
 
 
 def test_histogram_quantile_interpolates_like_prometheus() -> None:

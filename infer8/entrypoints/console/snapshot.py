@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from infer8.entrypoints.openai.protocol import CompletionRequest
+from infer8.generation_config import SAMPLING_KEYS
 from infer8.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -49,6 +51,22 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
         "max_num_batched_tokens": engine.scheduler_config.max_num_batched_tokens,
         "max_model_len": engine.max_model_len,
         "enable_prefix_caching": engine.kv_cache_manager.enable_caching,
+    }
+
+
+def served_defaults(engine: LLMEngine) -> dict[str, Any]:
+    """Return what a request that leaves the sampling fields out gets: the chat page's placeholders.
+
+    Computed the way the API computes it (the API's defaults under the model's generation
+    config), so the page can never promise other values than the server applies.
+    """
+    request = CompletionRequest(model=engine.served_model_name, prompt="")
+    params = request.sampling_params(1, None, defaults=engine.default_sampling)
+    return {
+        "model": engine.served_model_name,
+        "max_model_len": engine.max_model_len,
+        "sampling": {field: getattr(params, field) for field in SAMPLING_KEYS.values()},
+        "generation_config": dict(engine.default_sampling),
     }
 
 
