@@ -8,10 +8,11 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, BrowserContext, Page, sync_playwright
+from playwright.sync_api import Browser, BrowserContext, Page, Request, sync_playwright
 
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
@@ -90,6 +91,7 @@ def test_the_api_key_prompt_gates_both_pages_and_the_event_stream(
 ) -> None:
     assert httpx.get(server.url + "/").status_code == 200  # the page itself is public
     assert httpx.get(server.url + "/console/api/events").status_code == 401
+    assert httpx.get(server.url + "/console/api/defaults").status_code == 401
     assert httpx.get(server.url + "/v1/models").status_code == 401
     auth = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.stream("GET", server.url + "/console/api/events", headers=auth) as response:
@@ -120,11 +122,24 @@ def test_the_api_key_prompt_gates_both_pages_and_the_event_stream(
         page.close()
 
 
+def _chat_bodies(page: Page) -> list[dict[str, Any]]:
+    """Collect the JSON bodies the page posts to /v1/chat/completions."""
+    bodies: list[dict[str, Any]] = []
+
+    def on_request(request: Request) -> None:
+        if request.url.endswith("/v1/chat/completions"):
+            bodies.append(request.post_data_json)
+
+    page.on("request", on_request)
+    return bodies
+
+
 def test_chat_streams_an_answer_and_stop_aborts_the_request(
     server: RunningServer, context: BrowserContext
 ) -> None:
     page, errors = _keyed_page(context, server, "/")
-    page.fill("#temperature", "0")
+    bodies = _chat_bodies(page)
+    # The first question a new user types, with the page as it loads: the server's defaults.
     page.fill("#prompt", "What is the capital of France? Answer in one sentence.")
     page.press("#prompt", "Enter")
     _wait_for_answers(page, 1, timeout_ms=30_000)
@@ -132,6 +147,7 @@ def test_chat_streams_an_answer_and_stop_aborts_the_request(
     assert answer.get_attribute("data-finish-reason") == "stop"
     assert "Paris" in answer.locator(".content").inner_text()
     assert "TTFT" in answer.locator(".meta").inner_text()
+    assert not {"temperature", "top_p"} & set(bodies[0])  # the server's defaults applied
 
     page.fill("#max-tokens", "400")
     page.fill("#prompt", "Write a long story about a lighthouse keeper and the sea.")
@@ -155,6 +171,36 @@ def test_chat_streams_an_answer_and_stop_aborts_the_request(
         assert time.monotonic() < deadline, "the stopped request kept running"
         time.sleep(0.1)
     assert server.metric("vllm:request_success_total", finished_reason="abort") >= 1
+    assert errors == []
+
+
+def test_sampling_fields_show_the_servers_defaults_and_send_only_typed_values(
+    server: RunningServer, context: BrowserContext
+) -> None:
+    defaults = httpx.get(
+        server.url + "/console/api/defaults", headers={"Authorization": f"Bearer {API_KEY}"}
+    ).json()
+    assert defaults["model"] == "SmolLM2-135M-Instruct"
+    assert defaults["sampling"]["temperature"] == 0.2 and defaults["sampling"]["top_p"] == 0.9
+    page, errors = _keyed_page(context, server, "/")
+    bodies = _chat_bodies(page)
+    page.wait_for_function("document.body.dataset.defaults === 'loaded'")
+    assert page.input_value("#temperature") == "" and page.input_value("#top-p") == ""
+    assert page.get_attribute("#temperature", "placeholder") == "0.2"
+    assert page.get_attribute("#top-p", "placeholder") == "0.9"
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "4")
+    page.fill("#prompt", "Say hello.")
+    page.press("#prompt", "Enter")
+    _wait_for_answers(page, 1, timeout_ms=30_000)
+    assert bodies[0]["temperature"] == 0 and "top_p" not in bodies[0]  # sent as typed
+    page.fill("#top-p", "0.5")
+    page.click("#reset-sampling")
+    assert page.input_value("#temperature") == "" and page.input_value("#top-p") == ""
+    page.fill("#prompt", "Say hello again.")
+    page.press("#prompt", "Enter")
+    _wait_for_answers(page, 2, timeout_ms=30_000)
+    assert not {"temperature", "top_p"} & set(bodies[1])
     assert errors == []
 
 

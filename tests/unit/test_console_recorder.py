@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from fastapi import FastAPI
@@ -24,8 +25,11 @@ from infer8.entrypoints.console.snapshot import (
     CELL_FIRST_OWNER,
     CELL_FREE,
     CELL_SHARED,
+    MAX_MAP_CELLS,
+    aggregate_cells,
     histogram_quantile,
     metric_figures,
+    served_defaults,
 )
 from infer8.metrics import EngineMetrics
 from infer8.request import Request
@@ -39,14 +43,18 @@ NUM_BLOCKS = 16
 class FakeEngine:
     """The parts of LLMEngine the recorder reads: block tables, scheduler queues, cache spec."""
 
-    def __init__(self, kv_dtype: torch.dtype = torch.bfloat16) -> None:
-        self.kv_cache_manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_caching=True)
+    def __init__(
+        self, kv_dtype: torch.dtype = torch.bfloat16, num_blocks: int = NUM_BLOCKS
+    ) -> None:
+        self.kv_cache_manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=True)
         self.scheduler = SimpleNamespace(requests={}, running=[], waiting=[])
         self.kv_spec = KVCacheSpec(2, 1, 8, BLOCK_SIZE, kv_dtype)
         self.cache_config = CacheConfig(block_size=BLOCK_SIZE)
-        self.num_blocks = NUM_BLOCKS
+        self.num_blocks = num_blocks
         self.kv_scale_source = "none"
         self.model_config = SimpleNamespace(served_model_name="fake", model="fake")
+        self.served_model_name = "fake"
+        self.default_sampling: dict[str, Any] = {}
         self.scheduler_config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64)
         self.max_model_len = 64
         self.last_stats = SchedulerStats()
@@ -79,12 +87,15 @@ class Clock:
 
 
 def _stats(
-    num_running: int = 1, num_tokens: int = 1, req_ids: tuple[str, ...] = ()
+    num_running: int = 1,
+    num_tokens: int = 1,
+    req_ids: tuple[str, ...] = (),
+    step_time_s: float = 0.02,
 ) -> SchedulerStats:
     return SchedulerStats(
         num_running=num_running,
         num_scheduled_tokens=num_tokens,
-        step_time_s=0.02,
+        step_time_s=step_time_s,
         scheduled_req_ids=list(req_ids),
     )
 
@@ -211,6 +222,79 @@ def test_the_step_that_drains_the_batch_and_an_abort_while_idle_are_always_shown
     asyncio.run(run())
 
 
+def test_records_of_one_slow_step_each_carry_rates_over_the_recent_steps() -> None:
+    async def run() -> None:
+        engine, clock = FakeEngine(), Clock()
+        recorder = StepRecorder(engine, clock=clock)
+        stream, _ = await _open(recorder)
+        for req_id, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
+            engine.add(req_id, prompt, 3).num_computed_tokens = 4  # decoding
+        records = []
+        for i in range(12):  # 2 requests decoding, a 0.25 s step each: 8 tokens/s
+            clock.now_s = 100.0 + 0.25 * (i + 1)
+            recorder.on_step(_stats(num_running=2, num_tokens=2, req_ids=("a", "b"),
+                                    step_time_s=0.25))  # fmt: skip
+            records += await _queued(recorder)
+        assert [r["steps"] for r in records] == [1] * 12  # each record holds a single step
+        last = records[-1]
+        assert last["decode_tokens_per_s"] == pytest.approx(8.0, abs=0.1)
+        assert last["prefill_tokens_per_s"] == 0.0
+        assert last["steps_per_s"] == pytest.approx(4.0, abs=0.1)
+        assert last["mean_step_ms"] == 250.0
+        clock.now_s += 0.25
+        recorder.on_step(_stats(num_running=0, num_tokens=2, req_ids=("a", "b"), step_time_s=0.25))
+        (idle,) = await _queued(recorder)  # the batch drained: the engine does nothing now
+        assert idle["decode_tokens_per_s"] == 0.0 and idle["mean_step_ms"] is None
+        await stream.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_large_cache_is_sent_as_cells_of_several_blocks_showing_every_held_block() -> None:
+    async def run() -> None:
+        num_blocks = 22_487
+        engine = FakeEngine(num_blocks=num_blocks)
+        recorder = StepRecorder(engine, clock=Clock())
+        stream, _ = await _open(recorder)
+        kv = engine.kv_cache_manager
+        engine.add("a", list(range(1, 9)), 8)  # 2 blocks
+        engine.add("b", list(range(20, 23)), 3)  # 1 block
+        recorder.on_step(_stats(num_running=2, num_tokens=11, req_ids=("a", "b")))
+        (record,) = await _queued(recorder)
+        cells = list(base64.b64decode(record["kv"]))
+        num_cell_blocks = record["kv_cell_blocks"]
+        assert num_cell_blocks == 6 and len(cells) == 3748 <= MAX_MAP_CELLS  # ceil(22,487 / 6)
+        assert record["kv_total"] == num_blocks and record["kv_used"] == 3  # exact counts
+        slots = {req_id: slot for slot, req_id, *_ in record["reqs"]}
+        cell_to_holders: dict[int, set[int]] = {}
+        for req_id in ("a", "b"):
+            for block_id in kv.get_block_ids(req_id):
+                holder = CELL_FIRST_OWNER + slots[req_id]
+                cell_to_holders.setdefault(block_id // num_cell_blocks, set()).add(holder)
+        # Every held block shows in its cell, in the colour of a request holding blocks there.
+        assert all(cells[i] in holders for i, holders in cell_to_holders.items())
+        assert all(c == CELL_FREE for i, c in enumerate(cells) if i not in cell_to_holders)
+        await stream.aclose()
+
+    asyncio.run(run())
+
+
+def test_aggregated_cells_show_the_most_frequent_holder_then_cached_then_free() -> None:
+    owner_a, owner_b = CELL_FIRST_OWNER, CELL_FIRST_OWNER + 1
+    blocks = np.array(
+        [CELL_FREE, CELL_FREE, CELL_FREE]  # all free
+        + [CELL_CACHED, CELL_FREE, CELL_FREE]  # a cached prefix among free blocks
+        + [CELL_FREE, owner_a, CELL_CACHED]  # one held block is never hidden
+        + [owner_a, owner_b, owner_b]  # the most frequent holder wins
+        + [CELL_SHARED, CELL_SHARED, owner_b]  # shared counts as a holder
+        + [owner_a],  # a last, partial cell
+        dtype=np.uint8,
+    )
+    cells = aggregate_cells(blocks, 3)
+    assert cells.tolist() == [CELL_FREE, CELL_CACHED, owner_a, owner_b, CELL_SHARED, owner_a]
+    assert aggregate_cells(blocks, 1) is blocks  # a small cache: one cell per block
+
+
 def test_fp8_records_carry_per_layer_saturation_once_a_second() -> None:
     async def run() -> None:
         engine, clock = FakeEngine(torch.float8_e4m3fn), Clock()
@@ -317,6 +401,22 @@ def test_the_http_stream_unregisters_its_viewer_when_the_client_disconnects() ->
         assert recorder.num_viewers == 0 and not recorder._viewers
 
     asyncio.run(run())
+
+
+def test_served_defaults_are_what_a_request_without_sampling_fields_gets() -> None:
+    engine = FakeEngine()
+    engine.default_sampling = {"temperature": 0.2, "top_k": 40}  # the model's generation config
+    defaults = served_defaults(engine)  # type: ignore[arg-type]
+    assert defaults["model"] == "fake" and defaults["max_model_len"] == 64
+    # The model's values, and the API's own where the model sets none.
+    assert defaults["sampling"] == {
+        "temperature": 0.2,
+        "top_p": 1.0,
+        "top_k": 40,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+    }
+    assert defaults["generation_config"] == {"temperature": 0.2, "top_k": 40}
 
 
 def test_histogram_quantile_interpolates_like_prometheus() -> None:

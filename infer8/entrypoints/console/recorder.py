@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from infer8.core.sched_output import SchedulerStats
 from infer8.entrypoints.console import snapshot
+from infer8.entrypoints.console.rates import StepSample, StepWindow, idle_rates
 
 if TYPE_CHECKING:
     from infer8.engine import LLMEngine
@@ -85,6 +86,7 @@ class StepRecorder:
         self._epoch = 0  # bumped when the first viewer joins: the engine thread starts afresh
         self._seen_epoch = 0
         self._totals = _Totals()
+        self._window = StepWindow()  # the steps the rates are averaged over
         self._last_record_s = float("-inf")
         self._last_saturation_s = float("-inf")
         self._last_was_idle = True
@@ -111,6 +113,11 @@ class StepRecorder:
         totals.num_prefix_cache_queries += stats.num_prefix_cache_queries
         totals.num_prefix_cache_hits += stats.num_prefix_cache_hits
         now_s = self.clock()
+        sample = StepSample(
+            now_s, stats.step_time_s, stats.num_scheduled_tokens - num_decode, num_decode
+        )
+        with self._build_lock:  # a joining viewer's first record reads the window
+            self._window.add(sample)
         is_idle = not stats.num_running and not stats.num_waiting
         if not is_idle:
             self._last_was_idle = False  # until a record shows the idle state
@@ -131,6 +138,8 @@ class StepRecorder:
         if self._seen_epoch != self._epoch:
             self._seen_epoch = self._epoch
             self._totals = _Totals()
+            with self._build_lock:
+                self._window.clear()
             self._last_was_idle = False
 
     def _emit(self, now_s: float, num_running: int, num_waiting: int) -> None:
@@ -167,6 +176,10 @@ class StepRecorder:
                 "prefix_queries": totals.num_prefix_cache_queries,
                 "prefix_hits": totals.num_prefix_cache_hits,
             }
+            # Averaged over the recent steps (one record may hold a single slow step); an idle
+            # engine's rates are 0 at once.
+            is_busy = num_running or num_waiting
+            record.update(self._window.rates(now_s) if is_busy else idle_rates())
             record.update(snapshot.kv_state(engine, self._slots))
             if engine.kv_spec.is_fp8 and now_s - self._last_saturation_s >= SLOW_FIGURES_INTERVAL_S:
                 self._last_saturation_s = now_s

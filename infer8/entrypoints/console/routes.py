@@ -1,4 +1,4 @@
-"""The console's routes: the two pages, their static files, and the engine-view event stream."""
+"""The console's routes: the two pages, their static files, the served defaults, the event stream."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 
+from infer8.entrypoints.console import snapshot
 from infer8.entrypoints.console.recorder import StepRecorder
 from infer8.entrypoints.sse import SSEResponse
 
@@ -23,9 +24,10 @@ STATIC_FILES = (
     "favicon.svg",
 )
 EVENTS_PATH = "/console/api/events"
+DEFAULTS_PATH = "/console/api/defaults"
 CONFIG_PATH = "/console/config.js"
 # Pages and static files hold nothing secret: they load without the API key, then ask for it.
-# Everything they show comes from guarded endpoints (the event stream, /v1/...).
+# Everything they show comes from guarded endpoints (the event stream, the defaults, /v1/...).
 # config.js tells the page whether to ask for a key (what a 401 from /v1/models tells anyway).
 CONSOLE_PUBLIC_PATHS = (
     frozenset(PAGES)
@@ -47,7 +49,7 @@ def _static_response(name: str) -> FileResponse:
 
 
 def add_console_routes(app: FastAPI, recorder: StepRecorder, is_key_required: bool = False) -> None:
-    """Add the chat page at `/`, the engine view at `/engine` and their event stream."""
+    """Add the chat page at `/`, the engine view at `/engine`, their defaults and event stream."""
     config_js = f"const INFER8_KEY_REQUIRED = {'true' if is_key_required else 'false'};\n"
 
     @app.get(CONFIG_PATH, include_in_schema=False)
@@ -74,6 +76,11 @@ def add_console_routes(app: FastAPI, recorder: StepRecorder, is_key_required: bo
         # Guarded by the API key middleware like every /v1 route: the page reads it with
         # fetch() and an Authorization header (EventSource cannot send one).
         return ConsoleEventStream(recorder.stream())
+
+    @app.get(DEFAULTS_PATH, include_in_schema=False)
+    async def console_defaults() -> Response:
+        # What a request leaving the sampling fields out gets (guarded like the event stream).
+        return JSONResponse(snapshot.served_defaults(recorder.engine), headers=_NO_CACHE)
 
     @app.get("/favicon.ico", include_in_schema=False)
     async def favicon() -> Response:

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from infer8.entrypoints.openai.protocol import CompletionRequest
+from infer8.generation_config import SAMPLING_KEYS
 from infer8.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -23,6 +25,9 @@ CELL_CACHED = 1  # free, but holds a reusable prefix (prefix cache)
 CELL_SHARED = 2  # held by more than one request (a shared cached prefix)
 CELL_FIRST_OWNER = 3
 NUM_OWNER_SLOTS = 256 - CELL_FIRST_OWNER
+# A larger cache is sent as cells of several blocks each: a map the page can draw cell by cell
+# (a few pixels each), and a record of at most this many bytes whatever the cache size.
+MAX_MAP_CELLS = 4096
 QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -49,6 +54,22 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
         "max_num_batched_tokens": engine.scheduler_config.max_num_batched_tokens,
         "max_model_len": engine.max_model_len,
         "enable_prefix_caching": engine.kv_cache_manager.enable_caching,
+    }
+
+
+def served_defaults(engine: LLMEngine) -> dict[str, Any]:
+    """Return what a request that leaves the sampling fields out gets: the chat page's placeholders.
+
+    Computed the way the API computes it (the API's defaults under the model's generation
+    config), so the page can never promise other values than the server applies.
+    """
+    request = CompletionRequest(model=engine.served_model_name, prompt="")
+    params = request.sampling_params(1, None, defaults=engine.default_sampling)
+    return {
+        "model": engine.served_model_name,
+        "max_model_len": engine.max_model_len,
+        "sampling": {field: getattr(params, field) for field in SAMPLING_KEYS.values()},
+        "generation_config": dict(engine.default_sampling),
     }
 
 
@@ -104,12 +125,49 @@ def kv_state(engine: LLMEngine, slots: OwnerSlots) -> dict[str, Any]:
         counts = np.bincount(np.asarray(held, dtype=np.int64), minlength=pool.num_blocks)
         cells[counts > 1] = CELL_SHARED
     slots.keep_only(set(req_to_block_ids))
+    num_cell_blocks = math.ceil(pool.num_blocks / MAX_MAP_CELLS) if pool.num_blocks else 1
+    map_cells = aggregate_cells(cells, num_cell_blocks)
     return {
-        "kv": base64.b64encode(cells.tobytes()).decode("ascii"),
+        "kv": base64.b64encode(map_cells.tobytes()).decode("ascii"),
+        "kv_cell_blocks": num_cell_blocks,
+        "kv_total": pool.num_blocks,
         "kv_used": pool.num_used_blocks,
         "kv_cached": len(cached),
         "reqs": reqs,
     }
+
+
+def aggregate_cells(cells: np.ndarray, num_cell_blocks: int) -> np.ndarray:
+    """Return one cell per `num_cell_blocks` consecutive blocks, showing what they hold.
+
+    A cell with any held block shows its most frequent holder (a request's colour slot, or
+    shared), so one held block among free ones is never hidden; otherwise it shows a cached
+    prefix if any block holds one, else free. The last cell may cover fewer blocks.
+    """
+    if num_cell_blocks <= 1:
+        return cells
+    num_cells = math.ceil(len(cells) / num_cell_blocks)
+    rows = np.full(num_cells * num_cell_blocks, CELL_FREE, dtype=np.uint8)
+    rows[: len(cells)] = cells
+    rows = rows.reshape(num_cells, num_cell_blocks)  # [num_cells, num_cell_blocks]
+    out = np.where((rows == CELL_CACHED).any(axis=1), CELL_CACHED, CELL_FREE).astype(np.uint8)
+    # The most frequent held value per row: runs of equal values in each sorted row, then the
+    # longest run of each row (ties: the higher value, for a deterministic map).
+    held = np.where(rows >= CELL_SHARED, rows.astype(np.int16), -1)
+    flat = np.sort(held, axis=1).ravel()
+    index = np.arange(1, flat.size)
+    is_start = np.r_[True, (flat[1:] != flat[:-1]) | (index % num_cell_blocks == 0)]
+    starts = np.flatnonzero(is_start)
+    lengths = np.diff(np.r_[starts, flat.size])
+    is_held = flat[starts] >= 0
+    if not is_held.any():
+        return out
+    run_rows, run_values = starts[is_held] // num_cell_blocks, flat[starts][is_held]
+    order = np.lexsort((lengths[is_held], run_rows))
+    run_rows, run_values = run_rows[order], run_values[order]
+    is_last = np.r_[run_rows[1:] != run_rows[:-1], True]
+    out[run_rows[is_last]] = run_values[is_last]
+    return out
 
 
 def num_preempted(engine: LLMEngine) -> int:

@@ -7,7 +7,27 @@ const chat = {
   controller: null,
 };
 
+// Sampling inputs of the side panel and the request fields they set.
+const SAMPLING_FIELDS = [["temperature", "temperature"], ["top-p", "top_p"]];
+
 function $(id) { return document.getElementById(id); }
+
+// Show the server's effective defaults as the sampling fields' placeholders.
+async function loadDefaults() {
+  const response = await infer8.fetch("/console/api/defaults");
+  if (!response.ok) return;
+  const defaults = await response.json();
+  for (const [id, field] of SAMPLING_FIELDS) {
+    const value = defaults.sampling[field];
+    if (value !== undefined) $(id).placeholder = String(value);
+  }
+  const from = Object.keys(defaults.generation_config).length
+    ? "the model's generation config"
+    : "the API's defaults (the model sets none)";
+  $("sampling-note").textContent =
+    "Empty fields are left out of the request, so the server's defaults apply: " + from + ".";
+  document.body.dataset.defaults = "loaded";
+}
 
 function addMessage(role, text) {
   $("empty").hidden = true;
@@ -52,10 +72,13 @@ function requestBody() {
     messages,
     stream: true,
     stream_options: { include_usage: true },
-    temperature: Number($("temperature").value),
-    top_p: Number($("top-p").value),
     max_tokens: Math.max(1, parseInt($("max-tokens").value, 10) || 256),
   };
+  // An empty sampling field is left out: the server's defaults for the model apply.
+  for (const [id, field] of SAMPLING_FIELDS) {
+    const value = $(id).value.trim();
+    if (value !== "") body[field] = Number(value);
+  }
   const seed = $("seed").value.trim();
   if (seed !== "") body.seed = parseInt(seed, 10);
   const salt = $("cache-salt").value.trim();
@@ -155,6 +178,7 @@ async function send(text) {
 document.addEventListener("DOMContentLoaded", async () => {
   const models = await infer8.unlock();
   chat.model = models.data[0].id;
+  loadDefaults();
   const prompt = $("prompt");
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
@@ -176,6 +200,9 @@ document.addEventListener("DOMContentLoaded", async () => {
   });
   $("stop").addEventListener("click", () => {
     if (chat.controller) chat.controller.abort();
+  });
+  $("reset-sampling").addEventListener("click", () => {
+    for (const [id] of SAMPLING_FIELDS) $(id).value = "";
   });
   $("new-chat").addEventListener("click", () => {
     if (chat.controller) chat.controller.abort();

@@ -10,8 +10,9 @@ const view = {
   model: null,
   lastSeq: 0,
   numRecords: 0,
-  history: { t: [], running: [], waiting: [], preempted: [], prefill: [], decode: [], stepMs: [], steps: [] },
+  history: { t: [], running: [], waiting: [], preempted: [], prefill: [], decode: [], stepMs: [] },
   cells: null,
+  cellBlocks: 1,
   reqs: [],
   numPreemptions: 0,
   dirty: false,
@@ -89,22 +90,32 @@ function onStep(record) {
   push("prefill", record.steps ? record.prefill_tokens / record.steps : 0);
   push("decode", record.steps ? record.decode_tokens / record.steps : 0);
   push("stepMs", record.steps ? record.step_ms : null);
-  push("steps", { t: record.t, n: record.steps, prefill: record.prefill_tokens, decode: record.decode_tokens });
   view.numPreemptions += record.preemptions;
   view.cells = decodeCells(record.kv);
+  view.cellBlocks = record.kv_cell_blocks || 1;
   view.reqs = record.reqs;
   const map = $("kv-map");
   map.dataset.kvUsed = String(record.kv_used);
   map.dataset.kvCached = String(record.kv_cached);
   map.dataset.signature = record.kv.length + ":" + hash(record.kv);
+  map.dataset.cellBlocks = String(view.cellBlocks);
   document.body.dataset.records = String(view.numRecords);
   $("stat-running").textContent = record.running;
   $("stat-waiting").textContent = record.waiting;
   $("stat-preempted").textContent = record.preempted;
   $("stat-preemptions").textContent = view.numPreemptions + " preemptions";
-  const total = view.info ? view.info.num_blocks : record.kv.length;
-  $("stat-kv").textContent = ((100 * record.kv_used) / Math.max(1, total)).toFixed(0) + "%";
-  $("stat-kv-blocks").textContent = record.kv_used + " used · " + record.kv_cached + " cached";
+  const total = record.kv_total;
+  $("stat-kv").textContent = formatPercent(record.kv_used, total);
+  $("stat-kv-blocks").textContent = infer8.formatNumber(record.kv_used) + " / " +
+    infer8.formatNumber(total) + " blocks · " + infer8.formatNumber(record.kv_cached) + " cached";
+  $("kv-cell-note").textContent = view.cellBlocks > 1
+    ? "one cell = " + view.cellBlocks + " blocks (its most frequent holder)"
+    : "one cell = one block";
+  // Averaged by the server over its recent steps: no browser clock is involved.
+  $("stat-decode").textContent = infer8.formatNumber(record.decode_tokens_per_s);
+  $("stat-prefill").textContent = infer8.formatNumber(record.prefill_tokens_per_s);
+  $("stat-step").textContent = record.mean_step_ms === null ? "–" : record.mean_step_ms.toFixed(1);
+  $("stat-steps").textContent = "ms, " + record.steps_per_s.toFixed(1) + " steps/s";
   if (record.saturated) drawSaturation(record.saturated);
   drawTable();  // with the figures above, so the page never shows a batch and a table that disagree
   view.dirty = true;
@@ -139,20 +150,13 @@ function drawSaturation(values) {
   charts.bars($("saturation"), values, "#ff8f6b");
 }
 
-function updateRates() {
-  const steps = view.history.steps;
-  const now = Date.now() / 1000;
-  let prefill = 0, decode = 0, n = 0;
-  for (let i = steps.length - 1; i >= 0 && steps[i].t > now - 2; i--) {
-    prefill += steps[i].prefill;
-    decode += steps[i].decode;
-    n += steps[i].n;
-  }
-  $("stat-decode").textContent = infer8.formatNumber(decode / 2);
-  $("stat-prefill").textContent = infer8.formatNumber(prefill / 2);
-  const last = view.history.stepMs.filter((v) => v !== null).slice(-5);
-  $("stat-step").textContent = last.length && n ? (last.reduce((a, b) => a + b, 0) / last.length).toFixed(1) : "–";
-  $("stat-steps").textContent = "ms, " + (n / 2).toFixed(1) + " steps/s";
+// A share with the digits it needs: 96 of 22,487 blocks is 0.43%, never "0%".
+function formatPercent(part, total) {
+  if (!part || !total) return "0%";
+  const pct = (100 * part) / total;
+  if (pct < 0.01) return "<0.01%";
+  const digits = pct < 1 || (pct > 99 && part < total) ? 2 : pct < 10 ? 1 : 0;
+  return pct.toFixed(digits) + "%";
 }
 
 function drawKvMap() {
@@ -302,7 +306,6 @@ document.addEventListener("DOMContentLoaded", async () => {
   $("burst").addEventListener("click", fireBurst);
   $("burst-cancel").addEventListener("click", () => { if (view.burst) view.burst.abort(); });
   window.addEventListener("resize", () => { view.dirty = true; });
-  setInterval(updateRates, 500);
   requestAnimationFrame(draw);
   connect();
 });
