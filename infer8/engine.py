@@ -66,8 +66,9 @@ class LLMEngine:
         )
         SamplingParams(**self.default_sampling)  # refuse bad defaults at start-up
         if self.default_sampling:
+            defaults = ", ".join(f"{k} {v}" for k, v in self.default_sampling.items())
             print(
-                f"Default sampling parameters from the generation config: {self.default_sampling}"
+                f"Sampling defaults (the generation config's) for requests that set none: {defaults}"
             )
         self.executor: Executor = create_executor(args, model_path, gguf)
         worker = self.executor.driver_worker
