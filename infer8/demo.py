@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import random
 import time
+
+import torch
 
 from infer8.config import EngineArgs
 from infer8.core.sched_output import SchedulerStats
 from infer8.entrypoints.llm import LLM
+from infer8.quant.fp8 import kv_dtype_name
 from infer8.sampling_params import SamplingParams
 
 QUESTIONS = [
@@ -18,7 +23,9 @@ QUESTIONS = [
 ]
 
 
-def _run_workload(llm: LLM, num_requests: int, seed: int) -> dict[str, float]:
+def _run_workload(
+    llm: LLM, num_requests: int, seed: int, output_lens: tuple[int, ...]
+) -> dict[str, float]:
     """Run requests with variable output lengths; return throughput and padding."""
     rng = random.Random(seed)
     tok = llm.get_tokenizer()
@@ -27,7 +34,7 @@ def _run_workload(llm: LLM, num_requests: int, seed: int) -> dict[str, float]:
         for i in range(num_requests)
     ]
     params = [
-        SamplingParams(max_tokens=rng.choice([16, 32, 64, 128]), temperature=0.0, ignore_eos=True)
+        SamplingParams(max_tokens=rng.choice(output_lens), temperature=0.0, ignore_eos=True)
         for _ in range(num_requests)
     ]
     stats: list[SchedulerStats] = []
@@ -47,29 +54,37 @@ def _run_workload(llm: LLM, num_requests: int, seed: int) -> dict[str, float]:
     }
 
 
-def run_demo(args: EngineArgs, num_requests: int = 16) -> int:
+def run_demo(
+    args: EngineArgs,
+    num_requests: int = 16,
+    output_lens: tuple[int, ...] = (16, 32, 64, 128),
+    chat_max_tokens: int = 48,
+) -> int:
     """Chat with the model, then compare static/continuous batching and 16-bit/fp8 KV caches."""
     # one fixed KV budget for every group, so capacities compare at equal memory
     if args.kv_cache_memory_bytes is None:
         args = dataclasses.replace(args, kv_cache_memory_bytes=512 << 20)
     llm = LLM(**dataclasses.asdict(args))
-    greedy = SamplingParams(max_tokens=48, temperature=0.0)
-    print("\n== Chat (greedy) ==")
+    greedy = SamplingParams(max_tokens=chat_max_tokens, temperature=0.0)
+    print(f"\n== Chat (greedy: temperature 0, {_over_defaults(llm)}) ==")
     for q, out in zip(
         QUESTIONS, llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], greedy)
     ):
         print(f"> {q}\n{out.outputs[0].text.strip()}\n")
 
-    print(f"== {num_requests} requests, output lengths 16..128 tokens, same KV memory ==")
+    lens = f"{min(output_lens)}..{max(output_lens)}"
+    print(f"== {num_requests} requests, output lengths {lens} tokens, same KV memory ==")
     groups = [("static", "auto"), ("continuous", "auto"), ("continuous", "fp8_e4m3")]
     rows = []
     for policy, kv in groups:
         group_args = dataclasses.replace(args, scheduler=policy, kv_cache_dtype=kv)
-        group_llm = llm if group_args == args else LLM(**dataclasses.asdict(group_args))
+        group_llm = llm if group_args == args else _quiet_llm(group_args)
         engine = group_llm.engine
         capacity = engine.num_blocks * engine.cache_config.block_size
-        kv_name = str(engine.kv_spec.dtype).removeprefix("torch.")
-        rows.append((policy, kv_name, capacity, _run_workload(group_llm, num_requests, seed=0)))
+        kv_name = kv_dtype_name(engine.kv_spec.dtype)
+        rows.append(
+            (policy, kv_name, capacity, _run_workload(group_llm, num_requests, 0, output_lens))
+        )
     print(
         f"{'scheduler':<12}{'kv dtype':<15}{'KV tokens':>10}{'output tok/s':>14}{'padding %':>11}"
     )
@@ -80,11 +95,42 @@ def run_demo(args: EngineArgs, num_requests: int = 16) -> int:
         )
     static, cont, f8 = (r[3]["output_tokens_per_s"] for r in rows)
     print(
-        f"continuous / static throughput: {cont / static:.2f}x; fp8 / {rows[1][1]} KV capacity: "
-        f"{rows[2][2] / rows[1][2]:.2f}x at {f8 / cont:.2f}x the throughput"
+        f"continuous / static throughput: {cont / static:.2f}x; "
+        f"{_capacity_ratio(llm, rows[2][2], rows[1][1], rows[1][2])} "
+        f"at {f8 / cont:.2f}x the throughput"
     )
     print(
         f"(one short run of {num_requests} requests: the throughput ratios move by +-10% between "
         "runs on a shared machine; docs/benchmarks.md has repeated, larger runs)"
     )
     return 0
+
+
+def _quiet_llm(args: EngineArgs) -> LLM:
+    """Build another engine without its start-up lines (the first engine printed them once)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return LLM(**dataclasses.asdict(args))
+
+
+def _over_defaults(llm: LLM) -> str:
+    """Return what the demo's greedy sampling replaces: the model's defaults, or none."""
+    defaults = llm.engine.default_sampling
+    if not defaults:
+        return "the API's default"
+    listed = ", ".join(f"{k} {v}" for k, v in defaults.items())
+    return f"set by the demo over the model's defaults ({listed})"
+
+
+def _capacity_ratio(llm: LLM, fp8_tokens: int, base_dtype: str, base_tokens: int) -> str:
+    """Return the FP8 cache's capacity against a bf16 cache of the same memory (the README's
+    baseline), and against this run's own 16-bit or 32-bit cache when that is not bf16."""
+    engine = llm.engine
+    memory_bytes = engine.num_blocks * engine.kv_spec.bytes_per_block
+    bf16_spec = dataclasses.replace(
+        engine.kv_spec, dtype=torch.bfloat16, exact_tail_tokens=0, exact_sink_tokens=0
+    )
+    bf16_tokens = bf16_spec.num_blocks_for(memory_bytes) * engine.cache_config.block_size
+    ratio = f"fp8 KV capacity: {fp8_tokens / bf16_tokens:.2f}x a bfloat16 cache's"
+    if base_dtype != "bfloat16":
+        ratio += f" ({fp8_tokens / base_tokens:.2f}x this run's {base_dtype} cache's)"
+    return ratio

@@ -18,7 +18,7 @@ from infer8.core.scheduler import Scheduler, SchedulerBase
 from infer8.core.static_scheduler import StaticScheduler
 from infer8.executor import Executor, create_executor
 from infer8.generation_config import sampling_defaults
-from infer8.models.default_model import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SAMPLING
+from infer8.models.default_model import DEFAULT_MODEL_NAME
 from infer8.models.loader import read_hf_config, resolve_model_path
 from infer8.outputs import RequestOutput, RequestState, error_output
 from infer8.request import Request, RequestStatus
@@ -64,12 +64,11 @@ class LLMEngine:
             args.override_generation_config,
             None if gguf is None else gguf.generation_config,
         )
-        if args.model is None and args.generation_config == "auto":
-            self.default_sampling = {**DEFAULT_MODEL_SAMPLING, **self.default_sampling}
         SamplingParams(**self.default_sampling)  # refuse bad defaults at start-up
         if self.default_sampling:
+            defaults = ", ".join(f"{k} {v}" for k, v in self.default_sampling.items())
             print(
-                f"Default sampling parameters from the generation config: {self.default_sampling}"
+                f"Sampling defaults (the generation config's) for requests that set none: {defaults}"
             )
         self.executor: Executor = create_executor(args, model_path, gguf)
         worker = self.executor.driver_worker

@@ -312,6 +312,29 @@ def smallest_fitting_tp(inputs: PlanInputs, limit: int = 64) -> int | None:
     return None
 
 
+def ways_to_fit(inputs: PlanInputs, limit: int = 64) -> list[Plan]:
+    """Return a fitting plan for each way out of a configuration that does not fit.
+
+    FP8 weights at the same tensor-parallel size, the smallest tensor-parallel size that fits,
+    and both: FP8 weights at the smallest size where they fit (at the previous one's size when
+    FP8 weights alone fit).
+    """
+    ways: list[PlanInputs] = []
+    fp8 = dataclasses.replace(inputs, weight_dtype="fp8") if inputs.weight_dtype == "bf16" else None
+    if fp8 is not None and plan_capacity(fp8).fits:
+        ways.append(fp8)
+    tp = smallest_fitting_tp(inputs, limit)
+    if tp is not None:
+        ways.append(dataclasses.replace(inputs, tensor_parallel_size=tp))
+    if fp8 is not None:
+        both_tp = smallest_fitting_tp(fp8, limit)
+        if both_tp == inputs.tensor_parallel_size:
+            both_tp = tp
+        if both_tp is not None and both_tp != inputs.tensor_parallel_size:
+            ways.append(dataclasses.replace(fp8, tensor_parallel_size=both_tp))
+    return [plan_capacity(way) for way in ways]
+
+
 @dataclass(frozen=True)
 class ClaimEvaluation:
     """What a claimed bf16-KV -> fp8-KV session gain needs, in the planner's numbers."""

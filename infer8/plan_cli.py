@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from infer8.attention.exact_tail import DEFAULT_EXACT_SINK_TOKENS, DEFAULT_EXACT_TAIL_TOKENS
+from infer8.entrypoints.arg_parser import did_you_mean
 from infer8.plan import (
     ASSUMPTIONS,
     Plan,
@@ -15,7 +16,7 @@ from infer8.plan import (
     evaluate_claim,
     exact_tail_bytes,
     plan_capacity,
-    smallest_fitting_tp,
+    ways_to_fit,
 )
 from infer8.plan_presets import (
     BF16_BYTES,
@@ -25,6 +26,7 @@ from infer8.plan_presets import (
     WEIGHT_DTYPES,
     DeviceSpec,
     GiB,
+    device_preset_name,
     load_model_shape,
 )
 
@@ -34,14 +36,17 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="smollm2-135m",
-        help=f"a preset ({', '.join(MODEL_PRESETS)}) or a config.json / model directory "
+        help=f"a preset ({', '.join(MODEL_PRESETS)}; also as a Hugging Face id or plain name, "
+        "e.g. Qwen/Qwen2-72B-Instruct, qwen2-72b) or a config.json / model directory "
         "(default: smollm2-135m)",
     )
     parser.add_argument(
         "--device",
-        choices=list(DEVICE_PRESETS),
+        type=_device_name,
         default="h100-80gb",
-        help="device preset (default: h100-80gb)",
+        metavar="{" + ",".join(DEVICE_PRESETS) + "}",
+        help="device preset, in any case, with or without its memory: H100, h200-141gb "
+        "(default: h100-80gb)",
     )
     parser.add_argument("--memory-gib", type=float, help="device memory, overriding the preset")
     parser.add_argument(
@@ -118,6 +123,18 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         help="evaluate a claimed bf16-KV -> fp8-KV session gain, e.g. 64:384",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _device_name(value: str) -> str:
+    """Return the device preset `value` names (argparse type; the error names the closest)."""
+    preset = device_preset_name(value)
+    if preset is None:
+        names = list(DEVICE_PRESETS)
+        hint = did_you_mean(value.lower(), [*names, *(n.split("-", 1)[0] for n in names)])
+        raise argparse.ArgumentTypeError(
+            f"unknown device {value!r}{hint}; choose from {', '.join(names)}"
+        )
+    return preset
 
 
 def plan_inputs_from(ns: argparse.Namespace) -> list[PlanInputs]:
@@ -235,12 +252,23 @@ def format_plan(plan: Plan) -> str:
         lines.append("  fits                yes")
     else:
         lines += [f"  DOES NOT FIT: {p}" for p in plan.problems]
-        tp = smallest_fitting_tp(i)
-        if tp is not None:
-            lines.append(f"  smallest tensor-parallel size that fits: {tp}")
+        ways = ways_to_fit(i)
+        if ways:
+            lines.append(f"  ways to fit ({i.context_len:,} tokens a session):")
+            lines += [f"    {describe_way(i, way)}" for way in ways]
         else:
-            lines.append("  no tensor-parallel size up to 64 fits")
+            lines.append("  nothing fits: neither FP8 weights nor a tensor-parallel size up to 64")
     return "\n".join(lines)
+
+
+def describe_way(inputs: PlanInputs, way: Plan) -> str:
+    """Return one way to fit as the flags it changes and the sessions it gives."""
+    changes = []
+    if way.inputs.weight_dtype != inputs.weight_dtype:
+        changes.append(f"{way.inputs.weight_dtype.upper()} weights (--quantization fp8)")
+    if way.inputs.tensor_parallel_size != inputs.tensor_parallel_size:
+        changes.append(f"--tensor-parallel-size {way.inputs.tensor_parallel_size}")
+    return f"{' + '.join(changes)}: {way.max_concurrent_sessions:,} sessions"
 
 
 def format_table(plans: list[Plan]) -> str:
@@ -293,6 +321,15 @@ def run_plan(ns: argparse.Namespace) -> int:
         )
         if claim is not None:
             out["claim"] = claim.to_json_dict()
+        if len(plans) == 1 and not plans[0].fits:
+            out["ways_to_fit"] = [
+                {
+                    "weight_dtype": way.inputs.weight_dtype,
+                    "tensor_parallel_size": way.inputs.tensor_parallel_size,
+                    "sessions": way.max_concurrent_sessions,
+                }
+                for way in ways_to_fit(all_inputs[0])
+            ]
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plans[0]) if len(plans) == 1 else format_table(plans))

@@ -193,15 +193,44 @@ class ModelShape:
 
 
 def load_model_shape(model: str) -> ModelShape:
-    """Return a preset's shape, or read a config.json (or a directory holding one)."""
+    """Return the shape of a preset, named as a preset, a Hugging Face id or a plain name
+    (`Qwen/Qwen2-72B-Instruct`, `qwen2-72b`), or read a config.json (or a directory holding one).
+    """
     if model in MODEL_PRESETS:
         return ModelShape.from_hf_config(MODEL_PRESETS[model], model)
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if path.is_file():
+        return ModelShape.from_hf_config(json.loads(path.read_text()), str(model))
+    preset = model_preset_name(model)
+    if preset is None:
         raise ValueError(
-            f"model {model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a "
-            "config.json file or model directory"
+            f"model {model!r} is neither a preset ({', '.join(MODEL_PRESETS)}; Hugging Face ids "
+            "and plain names of these work too) nor a config.json file or model directory"
         )
-    return ModelShape.from_hf_config(json.loads(path.read_text()), str(model))
+    return ModelShape.from_hf_config(MODEL_PRESETS[preset], preset)
+
+
+def model_preset_name(model: str) -> str | None:
+    """Return the preset a Hugging Face id or plain name stands for, or None.
+
+    Case and the organisation are ignored, as are a `Meta-` prefix and an `-Instruct` suffix
+    (the instruct and base models share one shape): `meta-llama/Meta-Llama-3-8B-Instruct` is
+    llama-3-8b, `Qwen2-72B` is qwen2-72b-instruct.
+    """
+    name = model.strip().lower().rsplit("/", 1)[-1].removeprefix("meta-")
+    base = name.removesuffix("-instruct")
+    for candidate in (name, base, f"{base}-instruct"):
+        if candidate in MODEL_PRESETS:
+            return candidate
+    return None
+
+
+def device_preset_name(device: str) -> str | None:
+    """Return the device preset a name stands for, in any case: `H100`, `h200-141gb`, `L4`."""
+    name = device.strip().lower()
+    if name in DEVICE_PRESETS:
+        return name
+    matches = [preset for preset in DEVICE_PRESETS if preset.split("-", 1)[0] == name]
+    return matches[0] if len(matches) == 1 else None

@@ -110,18 +110,18 @@ def resolve_exact_tail(
 
 
 def describe_exact_tail(spec: KVCacheSpec, num_rows: int) -> str:
-    """Return the start-up line's suffix: the tail's window, sinks, seats and memory; rotation."""
+    """Return the start-up line's suffix: which tokens stay at 16-bit precision, and rotation."""
     parts = []
     if spec.exact_tail_tokens:
         mib = spec.tail_bytes(num_rows) / (1 << 20)
+        sinks = f"first {spec.exact_sink_tokens} and " if spec.exact_sink_tokens else ""
         parts.append(
-            f"exact tail {spec.exact_tail_tokens} tokens + {spec.exact_sink_tokens} sinks "
-            f"({num_rows} seats x {spec.tail_store_tokens} FP8 residual tokens = {mib:.1f} MiB, "
-            "counted)"
+            f"each running request's {sinks}last {spec.exact_tail_tokens} tokens read at 16-bit "
+            f"precision ({mib:.1f} MiB of it, for up to {num_rows:,} running requests)"
         )
     if spec.hadamard:
-        parts.append("Hadamard-rotated keys")
-    return "; " + ", ".join(parts) if parts else ""
+        parts.append("K and V Hadamard-rotated before quantizing")
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def hadamard(n: int, device: torch.device | None = None) -> torch.Tensor:

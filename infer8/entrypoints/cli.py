@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from infer8.config import EngineArgs
+from infer8.entrypoints.arg_parser import ArgumentParser
 
 # Choices for string options, listed in --help and in the error for a bad value.
 CHOICES: dict[str, list[str]] = {
@@ -239,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with its subcommands."""
     from infer8 import __version__
 
-    parser = argparse.ArgumentParser(prog="infer8", description=__doc__)
+    parser = ArgumentParser(prog="infer8", description=__doc__)
     parser.add_argument("--version", action="version", version=f"infer8 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     commands: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {

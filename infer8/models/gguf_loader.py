@@ -177,8 +177,12 @@ def convert_gguf_to_hf(
     out_dir: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     progress: bool = True,
+    generation_defaults: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a GGUF checkpoint as a Hugging Face model directory, atomically, and return it."""
+    """Write a GGUF checkpoint as a Hugging Face model directory, atomically, and return it.
+
+    `generation_defaults` (e.g. a model card's temperature) join the generation_config.json.
+    """
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -194,7 +198,8 @@ def convert_gguf_to_hf(
         # safetensors creates its file 0600; give it the umask-derived mode of its siblings.
         shutil.copymode(tmp_dir / "tokenizer.json", tmp_dir / "model.safetensors")
         _write_json(tmp_dir / "tokenizer_config.json", model.tokenizer_config)
-        _write_json(tmp_dir / "generation_config.json", model.generation_config)
+        generation_config = {**model.generation_config, **(generation_defaults or {})}
+        _write_json(tmp_dir / "generation_config.json", generation_config)
         _replace_dir(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)

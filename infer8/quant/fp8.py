@@ -17,6 +17,15 @@ SCALE_ROUND_UP = 1.0 + 2.0**-7
 _MIN_SCALE = 1e-12
 
 
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """Return a cache dtype as users know it: 'FP8 (E4M3)', 'FP8 (E5M2)', 'bfloat16'."""
+    if dtype == torch.float8_e4m3fn:
+        return "FP8 (E4M3)"
+    if dtype == torch.float8_e5m2:
+        return "FP8 (E5M2)"
+    return str(dtype).removeprefix("torch.")
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     """Return the largest finite value of an FP8 dtype."""
     assert dtype in FP8_DTYPES, f"{dtype} is not an fp8 dtype"

@@ -220,18 +220,17 @@ class Worker:
         return plan.kv_bytes
 
     def _describe_kv_cache(self) -> str:
-        """Return the start-up line with the cache's size and the maximum concurrency."""
+        """Return the start-up line: the cache's size and type, the tokens and requests it holds."""
         block_size = self.cache_config.block_size
         tail_bytes = self.kv_spec.tail_bytes(self.num_tail_rows)
         gib = (self.num_blocks * self.kv_spec.bytes_per_block + tail_bytes) / GiB
-        dtype_name = str(self.kv_spec.dtype).removeprefix("torch.")
+        capacity_tokens = self.num_blocks * block_size
         per_request_blocks = cdiv(self.max_model_len, block_size)
         return (
-            f"KV cache: {self.num_blocks} blocks x {block_size} tokens = "
-            f"{self.num_blocks * block_size} tokens, {gib:.2f} GiB, dtype {dtype_name}; maximum "
-            f"concurrency for {self.max_model_len} tokens per request: "
-            f"{self.num_blocks / per_request_blocks:.2f}x"
-            + describe_exact_tail(self.kv_spec, self.num_tail_rows)
+            f"KV cache: {gib:.2f} GiB {fp8.kv_dtype_name(self.kv_spec.dtype)}, room for "
+            f"{capacity_tokens:,} tokens = {self.num_blocks / per_request_blocks:.2f} requests of "
+            f"{self.max_model_len:,} tokens (the longest allowed), in {self.num_blocks:,} blocks "
+            f"of {block_size}" + describe_exact_tail(self.kv_spec, self.num_tail_rows)
         )
 
     def _setup_kv_scales(self, ckpt_scales: dict[int, dict[str, torch.Tensor]]) -> str:

@@ -212,6 +212,6 @@ def test_kv_cache_startup_line(llama_dir: Path, capsys: pytest.CaptureFixture[st
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("KV cache:")][0]
     # 2 layers x (K,V) x 2 heads x 16 dims x 4 bytes = 512 B/token -> 2048 tokens, 128 blocks
     assert line == (
-        "KV cache: 128 blocks x 16 tokens = 2048 tokens, 0.00 GiB, dtype float32; maximum "
-        "concurrency for 512 tokens per request: 4.00x"
+        "KV cache: 0.00 GiB float32, room for 2,048 tokens = 4.00 requests of 512 tokens "
+        "(the longest allowed), in 128 blocks of 16"
     )

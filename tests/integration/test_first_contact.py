@@ -192,4 +192,4 @@ def test_kv_budget_is_sized_to_need_and_reported(
     assert engine.num_blocks == 2 * 128 // 16  # 2 sequences x 128 tokens, not the 4 GiB cap
     out = capsys.readouterr().out
     assert "what --max-num-seqs x max-model-len can fill" in out
-    assert "maximum concurrency for 128 tokens per request: 2.00x" in out
+    assert "room for 256 tokens = 2.00 requests of 128 tokens (the longest allowed)" in out

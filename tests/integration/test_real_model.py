@@ -94,6 +94,13 @@ def test_default_model_is_used_when_none_given(model_dir: Path) -> None:
     assert llm.engine.worker.model.config.num_hidden_layers == 30
 
 
+def test_the_converted_directory_samples_as_the_default_model(model_dir: Path) -> None:
+    """Check `--model <the default model's directory>` gets the same sampling defaults as none."""
+    by_path = LLM(model=str(model_dir), kv_cache_memory_bytes=32 << 20).engine
+    assert by_path.default_sampling == {"temperature": 0.2, "top_p": 0.9}
+    assert by_path.served_model_name == str(model_dir)  # the --model string, as vLLM serves it
+
+
 def test_corrupt_gguf_and_missing_config_are_clear_errors(tmp_path: Path, gguf_path: Path) -> None:
     truncated = tmp_path / "truncated.gguf"
     with gguf_path.open("rb") as f:

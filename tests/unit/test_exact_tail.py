@@ -15,6 +15,7 @@ from infer8.attention.exact_tail import (
     _decode_positions,
     add_residual,
     build_tail_metadata,
+    describe_exact_tail,
     hadamard,
     quantize_residual,
     resolve_exact_tail,
@@ -24,6 +25,7 @@ from infer8.plan import PlanInputs, exact_tail_bytes, plan_capacity
 from infer8.plan_cli import format_plan
 from infer8.plan_presets import DEVICE_PRESETS, load_model_shape
 from infer8.quant import fp8
+from infer8.quant.fp8 import kv_dtype_name
 from infer8.worker.kv_cache import KVCacheSpec
 from infer8.worker.tail_seats import SinkSlots, TailRows
 
@@ -217,3 +219,26 @@ def test_decode_positions_match_a_sequence_by_sequence_reading() -> None:
         assert pos.dtype == torch.int64 and valid.dtype == torch.float32
         assert pos.shape == valid.shape == (n, 2 * (ring + sinks))
         assert pos.tolist() == want_pos and valid.tolist() == want_valid
+
+
+def test_start_up_line_says_which_tokens_stay_exact() -> None:
+    """Check the FP8 cache's start-up suffix names the tokens kept at 16-bit, in words."""
+    spec = KVCacheSpec(
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float8_e4m3fn,
+        exact_tail_tokens=24,
+        exact_sink_tokens=4,
+        hadamard=True,
+    )
+    mib = spec.tail_bytes(256) / (1 << 20)
+    assert describe_exact_tail(spec, 256) == (
+        f"; each running request's first 4 and last 24 tokens read at 16-bit precision "
+        f"({mib:.1f} MiB of it, for up to 256 running requests); K and V Hadamard-rotated "
+        "before quantizing"
+    )
+    assert kv_dtype_name(spec.dtype) == "FP8 (E4M3)"
+    assert kv_dtype_name(torch.float8_e5m2) == "FP8 (E5M2)"
+    assert kv_dtype_name(torch.bfloat16) == "bfloat16"

@@ -410,6 +410,21 @@ def test_convert_gguf_to_hf_writes_model_dir(tiny_llama: TinyGGUF, tmp_path: Pat
     Tokenizer.from_file(str(out_dir / "tokenizer.json"))
 
 
+def test_convert_gguf_to_hf_writes_generation_defaults(
+    tiny_llama: TinyGGUF, tmp_path: Path
+) -> None:
+    """Check sampling defaults given to the converter land beside the token ids."""
+    out_dir = convert_gguf_to_hf(
+        tiny_llama.path,
+        tmp_path / "converted",
+        progress=False,
+        generation_defaults={"temperature": 0.2, "top_p": 0.9},
+    )
+    generation = json.loads((out_dir / "generation_config.json").read_text())
+    assert generation["temperature"] == 0.2 and generation["top_p"] == 0.9
+    assert generation["bos_token_id"] == 1 and generation["eos_token_id"] == 2
+
+
 @pytest.mark.parametrize("keep_fraction", [0.5, 0.9, 0.02])
 def test_truncated_file_is_a_value_error(tiny_llama: TinyGGUF, keep_fraction: float) -> None:
     """Check a file cut short (in the tensor data or the metadata) is reported as truncated."""

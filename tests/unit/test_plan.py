@@ -264,3 +264,82 @@ def test_plan_flags_follow_the_engine_flags() -> None:
     )
     assert inputs.kv_cache_dtype == defaults.kv_cache_dtype
     assert list(KV_ELEMENT_BYTES) == CHOICES["kv_cache_dtype"]
+
+
+@pytest.mark.parametrize(
+    ("name", "preset"),
+    [
+        ("Qwen/Qwen2-72B-Instruct", "qwen2-72b-instruct"),
+        ("Qwen2-72B-Instruct", "qwen2-72b-instruct"),
+        ("qwen2-72b", "qwen2-72b-instruct"),
+        ("meta-llama/Meta-Llama-3-8B-Instruct", "llama-3-8b"),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
+    ],
+)
+def test_models_are_found_by_hugging_face_id_and_plain_name(name: str, preset: str) -> None:
+    """Check the ids and names users type resolve to the preset of that shape."""
+    shape = load_model_shape(name)
+    assert shape == load_model_shape(preset) and shape.name == preset
+
+
+@pytest.mark.parametrize(("device", "preset"), [("H100", "h100-80gb"), ("h200", "h200-141gb")])
+def test_devices_are_found_in_any_case(
+    device: str, preset: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Check `--device H100` / `h200` plan on the preset of that device."""
+    _, out = run_cli(capsys, "--device", device, "--json")
+    assert json.loads(out)["device"] == preset
+
+
+def test_an_unknown_device_names_the_closest(capsys: pytest.CaptureFixture[str]) -> None:
+    """Check a device typo is one line naming the closest preset, exit 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--device", "h300"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "(did you mean h200?)" in err, err
+
+
+def test_verdict_names_every_way_to_fit_with_its_sessions(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Check bf16 Qwen2-72B on one H200 lists FP8 weights, TP 2, and both, with sessions."""
+    code, out = run_cli(capsys, "--model", "Qwen/Qwen2-72B-Instruct", "--device", "H200")
+    assert code == 1
+    base = PlanInputs(model=QWEN72, device=DEVICE_PRESETS["h200-141gb"])
+    assert not plan_capacity(base).fits
+    fp8 = plan_capacity(dataclasses.replace(base, weight_dtype="fp8"))
+    tp2 = plan_capacity(dataclasses.replace(base, tensor_parallel_size=2))
+    both = plan_capacity(dataclasses.replace(base, weight_dtype="fp8", tensor_parallel_size=2))
+    assert fp8.fits and 0 < fp8.max_concurrent_sessions < tp2.max_concurrent_sessions
+    assert both.max_concurrent_sessions > tp2.max_concurrent_sessions
+    assert (
+        "  ways to fit (32,768 tokens a session):\n"
+        f"    FP8 weights (--quantization fp8): {fp8.max_concurrent_sessions} sessions\n"
+        f"    --tensor-parallel-size 2: {tp2.max_concurrent_sessions} sessions\n"
+        f"    FP8 weights (--quantization fp8) + --tensor-parallel-size 2: "
+        f"{both.max_concurrent_sessions} sessions\n"
+    ) in out
+    _, as_json = run_cli(capsys, "--model", "qwen2-72b", "--device", "h200", "--json")
+    assert json.loads(as_json)["ways_to_fit"] == [
+        {"weight_dtype": "fp8", "tensor_parallel_size": 1, "sessions": fp8.max_concurrent_sessions},
+        {
+            "weight_dtype": "bf16",
+            "tensor_parallel_size": 2,
+            "sessions": tp2.max_concurrent_sessions,
+        },
+        {
+            "weight_dtype": "fp8",
+            "tensor_parallel_size": 2,
+            "sessions": both.max_concurrent_sessions,
+        },
+    ]
+
+
+def test_verdict_on_h100_fits_fp8_weights_on_fewer_devices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Check FP8 weights are offered at the smallest TP where they fit (2), not bf16's (4)."""
+    _, out = run_cli(capsys, "--model", "qwen2-72b", "--device", "h100", "--json")
+    ways = [(w["weight_dtype"], w["tensor_parallel_size"]) for w in json.loads(out)["ways_to_fit"]]
+    assert ways == [("bf16", 4), ("fp8", 2)]

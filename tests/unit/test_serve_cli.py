@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from infer8.config import EngineArgs
+from infer8.entrypoints import cli
 from infer8.entrypoints.cli import build_parser
 from infer8.entrypoints.openai import api_server
 from infer8.entrypoints.openai.cli_args import ServerConfig, make_serve_parser, serve_args_from
@@ -136,3 +137,63 @@ def test_request_fields_map_to_sampling_params() -> None:
     )
     assert chat.requested_max_tokens == 7
     assert chat.messages[0].to_template_dict() == {"role": "user", "content": "a"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["serve", "--kv-cache-dtype", "fp9"],
+            "infer8 serve: error: argument --kv-cache-dtype: invalid choice 'fp9' "
+            "(did you mean fp8?)",
+        ),
+        (
+            ["serve", "--max-num-sqes", "8"],
+            "infer8 serve: error: unrecognized argument: --max-num-sqes "
+            "(did you mean --max-num-seqs?)",
+        ),
+        (
+            ["generate", "--promt", "hi"],
+            "infer8 generate: error: the following arguments are required: --prompt "
+            "(--promt was given: a typo of --prompt?)",
+        ),
+        (["serv"], "infer8: error: unknown command 'serv' (did you mean serve?)"),
+        (
+            ["plan", "--max-num-sqes", "64"],
+            "infer8 plan: error: unrecognized argument: --max-num-sqes (did you mean --max-num-seqs?)",
+        ),
+        (
+            ["bench", "throughput", "--num-promts", "8", "--bogus"],
+            "infer8 bench throughput: error: unrecognized arguments: --num-promts "
+            "(did you mean --num-prompts?), --bogus;",
+        ),
+    ],
+)
+def test_argument_errors_are_one_line_with_a_suggestion(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Check a mistyped flag, choice or command answers one line naming the fix, exit 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.splitlines()) == 1, captured.err  # no usage block
+    assert captured.err.startswith(expected), captured.err
+
+
+def test_api_server_module_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Check `python -m ...api_server` answers a bad choice as `infer8 serve` does."""
+    with pytest.raises(SystemExit) as exit_info:
+        api_server.main(["--model=/m", "--kv-cache-dtype=fp9"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "(did you mean fp8?)" in err, err
+
+
+def test_help_still_prints_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    """Check the usage is not lost: `--help` prints it and exits 0."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: infer8 serve")

@@ -14,6 +14,7 @@ from typing import Any
 
 from infer8 import __version__
 from infer8.config import EngineArgs
+from infer8.entrypoints.arg_parser import ArgumentParser
 from infer8.entrypoints.cli import add_engine_args, engine_args_from
 from infer8.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from infer8.entrypoints.openai.vllm_compat import (
@@ -235,7 +236,7 @@ def serve_args_from(ns: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
     return engine_args, server_config
 
 
-class _ServeArgumentParser(argparse.ArgumentParser):
+class _ServeArgumentParser(ArgumentParser):
     """An ArgumentParser that also validates the values (exit 2 with the reason)."""
 
     def parse_known_args(  # type: ignore[override]
