@@ -195,6 +195,7 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp_group)
     model = model.to(dtype).to_empty(device=device)
+    model.init_rope_tables()  # to_empty left the rotary tables uninitialised
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     with torch.no_grad():

@@ -415,6 +415,7 @@ def load_fp8_model(
             model, scheme["static_input_scale"], supports_scaled_mm(device)
         )
     model = model.to_empty(device=device)
+    model.init_rope_tables()  # to_empty left the rotary tables uninitialised
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     fp8_loader = Fp8CheckpointLoader(model)

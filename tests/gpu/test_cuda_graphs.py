@@ -42,7 +42,6 @@ def _setup(
     model, _, _ = load_model(str(llama_dir), dtype, DEVICE)
     backend = triton_paged.TritonAttention(DEVICE)
     model.set_attention_backend(backend)
-    model.rope_tables(256, DEVICE, dtype)
     cfg = model.config
     spec = KVCacheSpec(
         cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, BLOCK_SIZE, kv_dtype,

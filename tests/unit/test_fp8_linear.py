@@ -88,7 +88,6 @@ def _prefill_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tenso
     caches = allocate_kv_cache(spec, 4, torch.device("cpu"))
     n = len(token_ids)
     meta = build_attention_metadata([n], [0], [[0, 1, 2, 3]], 16, torch.device("cpu"))
-    model.rope_tables(64, torch.device("cpu"), torch.float32)
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), torch.arange(n), meta, caches)
         return model.compute_logits(hidden)
