@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 WEIGHT_DTYPE = torch.float8_e4m3fn
 # Decoder linears that hold FP8 weights (embeddings, norms and the LM head stay 16-bit).
 FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_PROJ_WEIGHT_RE = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj\.weight$")
 _FP8_NAME_RE = re.compile(
     r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|weight_scale|input_scale)$"
 )
@@ -224,6 +225,29 @@ def quantize_model_weights(
         setattr(parent, name, layer)
 
 
+def quantize_weights_on_load(
+    weights: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device,
+    per_channel: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield each 16-bit decoder projection weight as e4m3 plus its `weight_scale` [out], the
+    rest as is (online FP8, like vLLM's --quantization fp8), one tensor at a time.
+
+    Each weight is cast to the model dtype on the device and quantized there, so the device
+    never holds more than one 16-bit projection; the values equal quantize_model_weights' on
+    the 16-bit model (per-channel scales are per row, so a fused or sharded module's rows
+    quantize alone; a row-parallel shard takes its row's amax over the whole row here).
+    """
+    for name, tensor in weights:
+        if _PROJ_WEIGHT_RE.match(name) and tensor.dtype != WEIGHT_DTYPE:
+            weight, scale = quantize_weight(tensor.to(device=device, dtype=dtype), per_channel)
+            yield name, weight
+            yield f"{name}_scale", scale
+        else:
+            yield name, tensor
+
+
 def set_use_scaled_mm(model: nn.Module, use_scaled_mm: bool) -> None:
     """Choose the FP8 matmul of every Fp8Linear once (at start-up, from the device)."""
     for module in model.modules():
@@ -281,14 +305,13 @@ def replace_linears_for_checkpoint(
     for parent, name, linear in list(_decoder_linears(model)):
         _check_plain_linear(linear, name)
         device = linear.weight.device
-        setattr(
-            parent,
-            name,
-            Fp8Linear(
-                linear.in_features, linear.out_features, linear.bias is not None,
-                static_input_scale, use_scaled_mm, device, linear.weight.dtype,
-            ),
+        layer = Fp8Linear(
+            linear.in_features, linear.out_features, linear.bias is not None,
+            static_input_scale, use_scaled_mm, device, linear.weight.dtype,
         )  # fmt: skip
+        # row-parallel under TP: this rank's partial sums are all-reduced
+        layer.group = linear.group if isinstance(linear, RowParallelLinear) else None
+        setattr(parent, name, layer)
 
 
 class Fp8CheckpointLoader:

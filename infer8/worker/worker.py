@@ -83,16 +83,12 @@ class Worker:
         self.is_driver = tp_group is None or tp_group.rank == 0
         device = model_config.device
         model, self.hf_config, ckpt_kv_scales = load_model(
-            model_path, model_config.dtype, device, tp_group, gguf
+            model_path, model_config.dtype, device, tp_group, gguf, args.quantization
         )
         self.tp_shard: TensorParallelShard | None = None
         if tp_group is not None:
             arch_config = LlamaArchConfig.from_hf_config(self.hf_config)
             self.tp_shard = TensorParallelShard(arch_config, tp_group.rank, tp_group.world_size)
-        if args.quantization == "fp8":
-            from infer8.quant.fp8_linear import quantize_model_weights, supports_scaled_mm
-
-            quantize_model_weights(model, use_scaled_mm=supports_scaled_mm(device))
         self.packed_linear_layers = self._pack_cpu_weights(model, model_config, scheduler_config)
         if model_config.device.type == "cpu":  # steps' large activations reuse heap blocks
             HostMemory().reuse_large_blocks()

@@ -39,15 +39,16 @@ def sample():
         peak[0] = max(peak[0], rss_anon())
         time.sleep(0.001)
 
+quantization = sys.argv[3] if len(sys.argv) > 3 else None
 # a small load first: torch's one-time set-up (thread pools, allocator arenas) is not loading
-load_model(sys.argv[2], torch.bfloat16, torch.device("cpu"))
+load_model(sys.argv[2], torch.bfloat16, torch.device("cpu"), quantization=quantization)
 base = rss_anon()
 thread = threading.Thread(target=sample)
 thread.start()
-model, _, _ = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"))
+model, _, _ = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"), quantization=quantization)
 done.set()
 thread.join()
-weights = sum(p.numel() * p.element_size() for p in model.parameters())
+weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 print(json.dumps({"peak_over_base": max(peak[0], rss_anon()) - base, "weights": weights}))
 """
 
@@ -81,6 +82,23 @@ def test_loading_never_holds_a_full_precision_copy(medium_model: Path, tmp_path:
     assert figures["weights"] > 100e6  # big enough for a float32 copy (2x) to show
     # the final bf16 weights plus one checkpoint tensor in flight; a float32 copy would be 3x
     assert figures["peak_over_base"] <= 1.25 * figures["weights"], figures
+
+
+def test_fp8_quantization_never_holds_the_16_bit_model(medium_model: Path, tmp_path: Path) -> None:
+    small = build_tiny_model(tmp_path, "llama")
+    result = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(medium_model), str(small), "fp8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["weights"] > 60e6  # FP8 linears, 16-bit embeddings and LM head
+    # the FP8 weights plus one projection in flight (1.4x here); the 16-bit model with its
+    # FP8 copies made beside it: 3.3x (241 vs 73 MB)
+    assert figures["peak_over_base"] <= 1.7 * figures["weights"], figures
 
 
 def test_plan_and_engine_agree_on_the_kv_budget(tmp_path: Path) -> None:

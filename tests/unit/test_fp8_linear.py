@@ -125,6 +125,26 @@ def test_fp8_checkpoint_loads_into_fp8_linears(
         assert torch.equal(got, _prefill_logits(reference, prompt))
 
 
+@pytest.mark.parametrize("arch_dir", ["llama_dir", "qwen2_dir"])
+def test_quantizing_on_load_equals_quantizing_the_loaded_16_bit_model(
+    arch_dir: str, request: pytest.FixtureRequest
+) -> None:
+    # --quantization fp8 quantizes each tensor as it is loaded, never holding a 16-bit model
+    model_dir = str(request.getfixturevalue(arch_dir))
+    cpu = torch.device("cpu")
+    got, _, _ = load_model(model_dir, torch.bfloat16, cpu, quantization="fp8")
+    want, _, _ = load_model(model_dir, torch.bfloat16, cpu)
+    fp8_linear.quantize_model_weights(want)
+    got_state, want_state = got.state_dict(), want.state_dict()
+    assert got_state.keys() == want_state.keys()
+    for name, tensor in want_state.items():
+        assert got_state[name].dtype == tensor.dtype, name
+        assert torch.equal(got_state[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert isinstance(got.layers[1].mlp.down_proj, Fp8Linear)
+    prompt = [5, 17, 42, 99, 7, 300, 12, 8]
+    assert torch.equal(_prefill_logits(got, prompt), _prefill_logits(want, prompt))
+
+
 def test_fp8_checkpoint_errors_are_clear(llama_dir: Path, tmp_path: Path) -> None:
     fp8_linear.save_fp8_checkpoint(llama_dir, tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
