@@ -119,10 +119,8 @@ class Worker:
             exact_sink_tokens=tail.sink_tokens,
             hadamard=tail.hadamard,
         )
-        # decode steps replay CUDA graphs on CUDA unless --enforce-eager
-        self.uses_cuda_graphs = (
-            cuda_graphs_apply(device, model_config.enforce_eager) and not self.uses_exact_tail
-        )
+        # decode steps replay CUDA graphs on CUDA unless --enforce-eager (an exact tail too)
+        self.uses_cuda_graphs = cuda_graphs_apply(device, model_config.enforce_eager)
         self.attn_backend = select_backend(
             device, self.kv_spec, enforce_eager=model_config.enforce_eager
         )

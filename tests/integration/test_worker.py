@@ -233,10 +233,12 @@ class FakeMemoryCounters:
         return self.peak_base + self.step_peak_bytes
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_start_up_profiles_then_allocates_the_cache_then_captures_graphs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
 ) -> None:
-    # the CUDA start-up order with the device swapped for CPU: fake counters, graphs recorded
+    # the CUDA start-up order with the device swapped for CPU: fake counters, graphs recorded;
+    # an FP8 cache keeps its exact tail and rotation (the defaults) and still gets graphs
     from infer8.worker import memory_profile, worker
     from infer8.worker.kv_cache import allocate_kv_cache
     from infer8.worker.memory import GiB
@@ -260,9 +262,10 @@ def test_start_up_profiles_then_allocates_the_cache_then_captures_graphs(
     model_dir = str(build_tiny_model(tmp_path, "llama"))
     args = EngineArgs(
         model=model_dir, dtype="float32", device="cpu", gpu_memory_utilization=0.25,
-        max_num_seqs=4096, max_num_batched_tokens=1024,
+        max_num_seqs=4096, max_num_batched_tokens=1024, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     w = worker.Worker(args, model_dir, memory_counters=counters)
+    assert w.uses_exact_tail == (kv_cache_dtype == "fp8_e4m3")
     assert events == ["profile", "kv cache", "graphs"]
     plan_ = w.memory_plan
     assert plan_.is_measured and plan_.source == "left"
@@ -273,7 +276,7 @@ def test_start_up_profiles_then_allocates_the_cache_then_captures_graphs(
     left = GiB - plan_.weight_bytes - plan_.activation_bytes - plan_.other_bytes
     left -= plan_.graph_bytes
     assert plan_.graph_bytes > 0 and plan_.kv_bytes == left
-    assert w.num_blocks == left // w.kv_spec.bytes_per_block
+    assert w.num_blocks == w.kv_spec.num_blocks_for(left, w.num_tail_rows)
 
 
 def test_memory_report_names_every_deduction() -> None:
