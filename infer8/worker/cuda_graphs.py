@@ -108,7 +108,6 @@ class _Bucket:
             decode_seq_ids=list(range(size)),
             decode_token_ids=token_ids,
             decode_block_tables=self.block_tables,
-            decode_mask=torch.empty(0, dtype=torch.bool, device=device),  # reference-only
             decode_seq_lens=self.seq_lens,
             prefill_seq_ids=[],
         )
