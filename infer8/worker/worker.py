@@ -34,9 +34,9 @@ from infer8.worker.kv_cache import (
     populate_in_background,
 )
 from infer8.worker.memory import (
-    CUDA_GRAPH_RESERVE_BYTES,
     GiB,
     MemoryPlan,
+    cuda_graph_bytes,
     device_memory_bytes,
     estimate_activation_bytes,
     plan_kv_memory,
@@ -214,7 +214,7 @@ class Worker:
             device_bytes = counters.mem_get_info()[1]
             is_measured = True
             if self.uses_cuda_graphs:
-                graph_bytes = CUDA_GRAPH_RESERVE_BYTES
+                graph_bytes = self._graph_reserve_bytes(model)
         max_len = model_config.max_model_len or arch.max_position_embeddings
         need_blocks = sched.max_num_seqs * cdiv(max_len, self.kv_spec.block_size)
         plan = plan_kv_memory(
@@ -233,6 +233,23 @@ class Worker:
         if self.is_driver:
             print(plan.report(device.type == "cpu"), flush=True)
         return plan.kv_bytes
+
+    def _graph_reserve_bytes(self, model: LlamaForCausalLM) -> int:
+        """Return the decode graphs' reserve from this rank's shapes (see memory.py)."""
+        from infer8.worker.cuda_graphs import batch_buckets
+
+        arch, max_num_seqs = model.config, self.scheduler_config.max_num_seqs
+        num_splits = getattr(self.attn_backend, "num_splits", None)
+        return cuda_graph_bytes(
+            max_num_seqs,
+            arch.hidden_size,
+            arch.intermediate_size,
+            arch.num_attention_heads,
+            arch.head_dim,
+            num_splits(arch.num_key_value_heads) if callable(num_splits) else 1,
+            sum(batch_buckets(max_num_seqs)),
+            model.embed_tokens.weight.element_size(),  # the compute dtype
+        )
 
     def _describe_kv_cache(self) -> str:
         """Return the start-up line with the cache's size and the maximum concurrency."""

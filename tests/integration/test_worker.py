@@ -261,7 +261,7 @@ def test_start_up_profiles_then_allocates_the_cache_then_captures_graphs(
     monkeypatch.setattr(worker.Worker, "_capture_cuda_graphs", lambda self: events.append("graphs"))
     model_dir = str(build_tiny_model(tmp_path, "llama"))
     args = EngineArgs(
-        model=model_dir, dtype="float32", device="cpu", gpu_memory_utilization=0.25,
+        model=model_dir, dtype="float32", device="cpu", gpu_memory_utilization=0.15,
         max_num_seqs=4096, max_num_batched_tokens=1024, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     w = worker.Worker(args, model_dir, memory_counters=counters)
@@ -273,10 +273,22 @@ def test_start_up_profiles_then_allocates_the_cache_then_captures_graphs(
     assert plan_.activation_bytes == counters.step_peak_bytes
     # other processes, and what the profile loaded outside the allocator
     assert plan_.other_bytes == counters.other_process_bytes + counters.loaded_bytes
-    left = GiB - plan_.weight_bytes - plan_.activation_bytes - plan_.other_bytes
+    left = int(0.15 * 4 * GiB) - plan_.weight_bytes - plan_.activation_bytes - plan_.other_bytes
     left -= plan_.graph_bytes
-    assert plan_.graph_bytes > 0 and plan_.kv_bytes == left
+    assert plan_.graph_bytes == w._graph_reserve_bytes(w.model) and plan_.kv_bytes == left
     assert w.num_blocks == w.kv_spec.num_blocks_for(left, w.num_tail_rows)
+
+
+def test_the_cuda_graph_reserve_covers_the_split_k_partials() -> None:
+    from infer8.worker.memory import GiB, cuda_graph_bytes
+
+    # 512 rows of a 70B-shaped rank (64 heads of 128, 32 splits): the float32 partials
+    # alone are 512 * 64 * 32 * 129 * 4 bytes, more than a fixed half GiB
+    partial_bytes = 512 * 64 * 32 * 129 * 4
+    reserve = cuda_graph_bytes(512, 8192, 28672, 64, 128, 32, num_bucket_rows=3000)
+    assert partial_bytes > GiB // 2 and reserve > partial_bytes + 3000 * 8192 * 2
+    # and it grows with the batch (a small max_num_seqs reserves little)
+    assert cuda_graph_bytes(8, 8192, 28672, 64, 128, 32, num_bucket_rows=15) < reserve / 50
 
 
 def test_memory_report_names_every_deduction() -> None:
