@@ -209,7 +209,7 @@ def load_model(
                 supports_scaled_mm,
             )
 
-            replace_linears_for_checkpoint(model, False, supports_scaled_mm(device))
+            replace_linears_for_checkpoint(model, False, supports_scaled_mm(device, dtype))
     model = model.to_empty(device=device)
     model.init_rope_tables()  # to_empty left the rotary tables uninitialised
     if cfg.tie_word_embeddings:

@@ -73,6 +73,33 @@ def test_scaled_mm_path_matches_its_emulation(static_input: bool) -> None:
     assert _rel(got, linear(x)) < WEIGHT_AND_INPUT_TOL
 
 
+def test_scaled_mm_probe_runs_the_forwards_call_and_takes_a_tuple_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # older torch builds return (out, amax); the forward and the probe take the product
+    real = torch._scaled_mm
+    calls: list[tuple] = []
+
+    def tuple_scaled_mm(a, b, *, scale_a, scale_b, out_dtype):  # type: ignore[no-untyped-def]
+        calls.append((tuple(scale_a.shape), tuple(scale_b.shape), out_dtype))
+        out = real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        return out, torch.zeros(())
+
+    monkeypatch.setattr(torch, "_scaled_mm", tuple_scaled_mm)
+    linear = _linear(3)
+    layer = Fp8Linear.from_linear(linear, per_channel=True, use_scaled_mm=True)
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    assert _rel(layer(x), linear(x)) < WEIGHT_AND_INPUT_TOL
+    a = torch.ones((16, 16)).to(fp8_linear.WEIGHT_DTYPE)
+    out = fp8_linear.scaled_mm(
+        a, a.t(), torch.full((16, 1), 2.0), torch.full((1, 16), 0.5), torch.bfloat16
+    )
+    assert out.dtype == torch.bfloat16 and bool((out == 16.0).all())
+    # the forward's call: row-wise scales, the model dtype out (what the CUDA probe now tries)
+    assert calls[0] == ((4, 1), (1, 96), torch.bfloat16)
+    assert calls[1] == ((16, 1), (1, 16), torch.bfloat16)
+
+
 def test_module_to_dtype_keeps_fp8_weights_and_fp32_scales() -> None:
     layer = Fp8Linear.from_linear(_linear(3)).to(torch.float32).to(torch.bfloat16)
     assert layer.weight.dtype == torch.float8_e4m3fn
