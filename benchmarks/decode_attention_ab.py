@@ -39,7 +39,8 @@ def decode_per_kv_head(
     num_kv_heads = k.shape[0]
     group = num_heads // num_kv_heads
     qg = q.view(b, num_kv_heads, group, head_dim)
-    pad = ~meta.decode_mask.view(b, 1, -1)
+    pad = torch.arange(k.shape[2], device=q.device) >= meta.decode_seq_lens[:, None]
+    pad = pad.view(b, 1, -1)
     out = torch.empty((b, num_kv_heads, group, head_dim), dtype=q.dtype, device=q.device)
     for h in range(num_kv_heads):
         scores = torch.bmm(qg[:, h], k[h].transpose(1, 2)).float() * scale

@@ -307,6 +307,7 @@ def _random_model(device: torch.device, preset: str) -> Any:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model = model.to_empty(device=device)
+    model.init_rope_tables()  # to_empty left the rotary tables uninitialised
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -382,7 +383,6 @@ def end_to_end(
     cfg = model.config
     block_size = 16
     max_len = context + steps + block_size
-    model.rope_tables(max_len, device, torch.bfloat16)
     blocks_per_seq = -(-max_len // block_size)
     block_ids = [
         list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)

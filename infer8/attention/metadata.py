@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +37,6 @@ class AttentionMetadata:
     decode_seq_ids: list[int]
     decode_token_ids: torch.Tensor  # [num_decode] int64, token index of each decode sequence
     decode_block_tables: torch.Tensor  # [num_decode, max_decode_blocks] int64
-    decode_mask: torch.Tensor  # [num_decode, 1, 1, max_decode_blocks * block_size] bool
     # [num_decode] context lengths of the decode sequences (int64 on the CPU, where the native
     # decode kernel reads them; a CUDA graph bucket's own int32 buffer)
     decode_seq_lens: torch.Tensor
@@ -68,18 +68,18 @@ def build_attention_metadata(
         seq_lens.append(computed + q_len)
         for pos in range(computed, computed + q_len):
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-    max_blocks = max((len(b) for b in block_ids), default=0)
-    table = torch.zeros((num_seqs, max(1, max_blocks)), dtype=torch.int64)
-    for i, blocks in enumerate(block_ids):
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+    num_blocks = torch.tensor([len(b) for b in block_ids], dtype=torch.int64)  # [num_seqs]
+    max_blocks = max(1, int(num_blocks.max()) if num_seqs else 0)
+    # one tensor of every sequence's blocks, then one masked write (not a tensor per sequence)
+    table = torch.zeros((num_seqs, max_blocks), dtype=torch.int64)
+    is_used = torch.arange(max_blocks) < num_blocks[:, None]  # [num_seqs, max_blocks]
+    table[is_used] = torch.tensor(list(chain.from_iterable(block_ids)), dtype=torch.int64)
 
     decode_seq_ids = [i for i in range(num_seqs) if query_lens[i] == 1]
     prefill_seq_ids = [i for i in range(num_seqs) if query_lens[i] != 1]
     max_decode_blocks = max((-(-seq_lens[i] // block_size) for i in decode_seq_ids), default=1)
     decode_block_tables = table[decode_seq_ids, :max_decode_blocks]
     decode_lens = torch.tensor([seq_lens[i] for i in decode_seq_ids], dtype=torch.int64)
-    positions = torch.arange(max_decode_blocks * block_size)
-    decode_mask = (positions[None, :] < decode_lens[:, None])[:, None, None, :]
     return AttentionMetadata(
         num_real_tokens=query_start_loc[-1],
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
@@ -91,7 +91,6 @@ def build_attention_metadata(
             [query_start_loc[i] for i in decode_seq_ids], dtype=torch.int64, device=device
         ),
         decode_block_tables=decode_block_tables.to(device),
-        decode_mask=decode_mask.to(device),
         decode_seq_lens=decode_lens,
         prefill_seq_ids=prefill_seq_ids,
     )

@@ -416,7 +416,9 @@ class TorchRefAttention:
             scores.view(num_kv_heads, b, group, ctx_len).scatter_add_(
                 3, pos, corr.view(num_kv_heads, b, group, width) * valid
             )
-        pad = ~meta.decode_mask.view(1, b, 1, -1)  # True past each sequence's end
+        seq_lens = meta.decode_seq_lens.to(scores.device)
+        pad = torch.arange(ctx_len, device=scores.device) >= seq_lens[:, None]  # [B, L]
+        pad = pad.view(1, b, 1, ctx_len)  # True past each sequence's end
         scores.view(num_kv_heads, b, group, ctx_len).masked_fill_(pad, -float("inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.bmm(probs, v.reshape(num_kv_heads * b, ctx_len, head_dim))

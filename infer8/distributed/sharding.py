@@ -22,7 +22,8 @@ from infer8.quant.kv_scales import StaticKVScales
 if TYPE_CHECKING:  # llama.py imports the parallel layers, which import this module
     from infer8.models.llama import LlamaArchConfig
 
-_PROJ_RE = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)\.(weight|bias)$")
+# weight_scale: a per-output-channel FP8 scale [out], cut like the bias
+_PROJ_RE = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)\.(weight|bias|weight_scale)$")
 _KV_SCALE_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.(?:[kv]_proj\.)?(?:k|v|kv)_scale$")
 _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 

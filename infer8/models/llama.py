@@ -270,9 +270,15 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.cpu_kernels: NativeFP8Gather | None = None  # set_cpu_kernels: the native loop
-        inv_freq, pos_scale = rope_inv_freq(cfg)
-        self._inv_freq = inv_freq
-        self._pos_scale = pos_scale
+        # cos/sin for every position the model has: buffers (not in the state dict) that move
+        # and cast with the model, so any forward (the start-up memory profile's included) has
+        # them; built here, and again by init_rope_tables after a meta-device to_empty
+        half = cfg.head_dim // 2
+        self.register_buffer("cos_table", torch.empty(cfg.max_position_embeddings, half),
+                             persistent=False)  # fmt: skip
+        self.register_buffer("sin_table", torch.empty(cfg.max_position_embeddings, half),
+                             persistent=False)  # fmt: skip
+        self.init_rope_tables()
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -289,12 +295,20 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.kernels = kernels
 
-    def rope_tables(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Precompute cos/sin for positions [0, max_positions) on the model's device."""
-        pos = torch.arange(max_positions, dtype=torch.float64, device="cpu") * self._pos_scale
-        freqs = torch.outer(pos, self._inv_freq)  # [max_positions, head_dim / 2]
-        self.cos_table = freqs.cos().to(device=device, dtype=dtype)
-        self.sin_table = freqs.sin().to(device=device, dtype=dtype)
+    def init_rope_tables(self) -> None:
+        """Fill cos_table / sin_table [max_position_embeddings, head_dim / 2] in place.
+
+        Computed in float64 and rounded once to the tables' dtype, on their device; a no-op on
+        the meta device (the loader calls it again once the tensors are real).
+        """
+        if self.cos_table.is_meta:
+            return
+        inv_freq, pos_scale = rope_inv_freq(self.config)
+        pos = torch.arange(self.cos_table.shape[0], dtype=torch.float64, device="cpu") * pos_scale
+        freqs = torch.outer(pos, inv_freq)  # [max_position_embeddings, head_dim / 2]
+        with torch.no_grad():
+            self.cos_table.copy_(freqs.cos())
+            self.sin_table.copy_(freqs.sin())
 
     def forward(
         self,

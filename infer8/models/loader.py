@@ -164,10 +164,13 @@ def load_model(
     device: torch.device,
     tp_group: TensorParallelGroup | None = None,
     gguf: GGUFModel | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, dict[str, Any], dict[int, dict[str, torch.Tensor]]]:
     """Load a model directory or .gguf file; return the model, its config dict, its KV scales.
 
     Under a tensor-parallel group each weight is sliced to this rank's shard as it is copied in.
+    With quantization "fp8" each decoder projection is quantized to FP8 as it is loaded (a
+    16-bit copy of the model never exists); an FP8 checkpoint loads as it is.
     """
     path = Path(model_path)
     if path.suffix == ".gguf" or (path.is_file() and _has_gguf_magic(path)):
@@ -187,17 +190,36 @@ def load_model(
             return load_fp8_model(path, dtype, device)
         weights = iter_safetensors(path)
     cfg = LlamaArchConfig.from_hf_config(hf_config)
+    fp8_loader = None
+    if quantization == "fp8":  # before sharding: a row-parallel shard's scales are whole rows'
+        from infer8.quant.fp8_linear import quantize_weights_on_load
+
+        weights = quantize_weights_on_load(weights, dtype, device)
     if tp_group is not None:
         shard = TensorParallelShard(cfg, tp_group.rank, tp_group.world_size)
         cfg, weights = shard.rank_config(), shard.shard_weights(weights)
     # Parameters get their dtype on the meta device, so the device never holds a float32 copy;
     # each checkpoint tensor is then cast as it is copied in (one at a time).
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, tp_group)
-    model = model.to(dtype).to_empty(device=device)
+        model = LlamaForCausalLM(cfg, tp_group).to(dtype)
+        if quantization == "fp8":
+            from infer8.quant.fp8_linear import (
+                Fp8CheckpointLoader,
+                replace_linears_for_checkpoint,
+                supports_scaled_mm,
+            )
+
+            replace_linears_for_checkpoint(model, False, supports_scaled_mm(device, dtype))
+    model = model.to_empty(device=device)
+    model.init_rope_tables()  # to_empty left the rotary tables uninitialised
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     with torch.no_grad():
+        if quantization == "fp8":
+            fp8_loader = Fp8CheckpointLoader(model)
+            weights = ((n, t) for n, t in weights if not fp8_loader.load(n, t))
         kv_scales = load_weights(model, weights)
+    if fp8_loader is not None:
+        fp8_loader.finish()
     model.eval()
     return model, hf_config, kv_scales

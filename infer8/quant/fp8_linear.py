@@ -30,16 +30,28 @@ logger = logging.getLogger(__name__)
 WEIGHT_DTYPE = torch.float8_e4m3fn
 # Decoder linears that hold FP8 weights (embeddings, norms and the LM head stay 16-bit).
 FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_PROJ_WEIGHT_RE = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj\.weight$")
 _FP8_NAME_RE = re.compile(
     r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|weight_scale|input_scale)$"
 )
 
 
-def supports_scaled_mm(device: torch.device) -> bool:
+def scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """Return torch._scaled_mm's product (older torch builds return (out, amax))."""
+    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def supports_scaled_mm(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Probe once whether torch._scaled_mm runs FP8 here; log why not (the fallback dequantizes).
 
-    Needs CUDA with compute capability 8.9+ (Ada, Hopper), and a torch build whose kernel runs:
-    a 16 x 16 product is tried, so a broken build falls back at start-up, not mid-request.
+    Needs CUDA with compute capability 8.9+ (Ada, Hopper), and a torch build whose kernel runs
+    what Fp8Linear's forward runs: row-wise scales ([M, 1] and [1, N], fp32) with output in the
+    model dtype. A 16 x 16 product is tried and checked, so a build without that kernel falls
+    back at start-up, not mid-request.
     """
     why = None
     if device.type != "cuda":
@@ -49,9 +61,12 @@ def supports_scaled_mm(device: torch.device) -> bool:
         why = f"sm_{major}{minor} has no FP8 tensor cores (needs sm_89+)"
     else:
         try:
-            a = torch.zeros((16, 16), device=device).to(WEIGHT_DTYPE)
-            one = torch.ones((), device=device)
-            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            a = torch.ones((16, 16), device=device).to(WEIGHT_DTYPE)
+            scale_a = torch.full((16, 1), 2.0, device=device)  # per row
+            scale_b = torch.full((1, 16), 0.5, device=device)  # per output channel
+            out = scaled_mm(a, a.t(), scale_a, scale_b, dtype)
+            if out.dtype != dtype or not bool((out == 16.0).all()):
+                why = f"torch._scaled_mm gave a wrong row-wise {dtype} product"
         except (RuntimeError, TypeError) as e:
             why = f"torch._scaled_mm failed ({type(e).__name__}: {str(e).splitlines()[0]})"
     if why is not None:
@@ -164,12 +179,12 @@ class Fp8Linear(nn.Module):
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         shape = x.shape
         xq, x_scale = self.quantize_input(x.reshape(-1, self.in_features))
-        y = torch._scaled_mm(
+        y = scaled_mm(
             xq,
             self.weight.t(),  # column-major [in, out], as cuBLASLt wants the second operand
-            scale_a=x_scale,  # [M, 1]
-            scale_b=self.weight_scale[None, :],  # [1, out]
-            out_dtype=x.dtype,
+            x_scale,  # [M, 1]
+            self.weight_scale[None, :],  # [1, out]
+            x.dtype,
         )
         if self.bias is not None:  # not fused: not every build takes a bias with row-wise scales
             y += self.bias
@@ -222,6 +237,29 @@ def quantize_model_weights(
         layer = Fp8Linear.from_linear(linear, per_channel, use_scaled_mm, amax=amax)
         layer.group = group
         setattr(parent, name, layer)
+
+
+def quantize_weights_on_load(
+    weights: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device,
+    per_channel: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield each 16-bit decoder projection weight as e4m3 plus its `weight_scale` [out], the
+    rest as is (online FP8, like vLLM's --quantization fp8), one tensor at a time.
+
+    Each weight is cast to the model dtype on the device and quantized there, so the device
+    never holds more than one 16-bit projection; the values equal quantize_model_weights' on
+    the 16-bit model (per-channel scales are per row, so a fused or sharded module's rows
+    quantize alone; a row-parallel shard takes its row's amax over the whole row here).
+    """
+    for name, tensor in weights:
+        if _PROJ_WEIGHT_RE.match(name) and tensor.dtype != WEIGHT_DTYPE:
+            weight, scale = quantize_weight(tensor.to(device=device, dtype=dtype), per_channel)
+            yield name, weight
+            yield f"{name}_scale", scale
+        else:
+            yield name, tensor
 
 
 def set_use_scaled_mm(model: nn.Module, use_scaled_mm: bool) -> None:
@@ -281,14 +319,13 @@ def replace_linears_for_checkpoint(
     for parent, name, linear in list(_decoder_linears(model)):
         _check_plain_linear(linear, name)
         device = linear.weight.device
-        setattr(
-            parent,
-            name,
-            Fp8Linear(
-                linear.in_features, linear.out_features, linear.bias is not None,
-                static_input_scale, use_scaled_mm, device, linear.weight.dtype,
-            ),
+        layer = Fp8Linear(
+            linear.in_features, linear.out_features, linear.bias is not None,
+            static_input_scale, use_scaled_mm, device, linear.weight.dtype,
         )  # fmt: skip
+        # row-parallel under TP: this rank's partial sums are all-reduced
+        layer.group = linear.group if isinstance(linear, RowParallelLinear) else None
+        setattr(parent, name, layer)
 
 
 class Fp8CheckpointLoader:
@@ -412,9 +449,10 @@ def load_fp8_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).to(dtype)
         replace_linears_for_checkpoint(
-            model, scheme["static_input_scale"], supports_scaled_mm(device)
+            model, scheme["static_input_scale"], supports_scaled_mm(device, dtype)
         )
     model = model.to_empty(device=device)
+    model.init_rope_tables()  # to_empty left the rotary tables uninitialised
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     fp8_loader = Fp8CheckpointLoader(model)

@@ -5,13 +5,17 @@ launch overhead rivals the math; replaying a captured graph removes it. Each buc
 input buffers (token ids, positions, slots, context lengths, block tables; with an FP8 exact
 tail its per-token ring and sink slots and per-sequence tail table) that a step copies into
 before replay. Padding rows have slot -1 (nothing is written) and context length 0 (the
-attention kernel returns zeros), so they cannot disturb real sequences. Without CUDA the same
-class runs the model eagerly on those buffers, which lets CPU tests check the padding.
+attention kernel returns zeros), so they cannot disturb real sequences. Capture goes through a
+small GraphAPI: CUDA's on a GPU; without CUDA the same class runs the model eagerly on those
+buffers, or through a stand-in API whose "graph" calls the forward again on replay, which lets
+CPU tests check the padding, the capture order and replay into the static output.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -38,6 +42,49 @@ def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= num_seqs), None)
 
 
+class DecodeGraph(Protocol):
+    """A captured step: replay re-runs it on the same static buffers."""
+
+    def replay(self) -> None:
+        """Run the captured step again."""
+
+
+class GraphAPI(Protocol):
+    """What capture needs from the device: a shared pool, capture, synchronization."""
+
+    def pool(self) -> Any:
+        """Return a memory pool handle every bucket's graph shares."""
+
+    def capture(
+        self, forward: Callable[[], torch.Tensor], pool: Any
+    ) -> tuple[DecodeGraph, torch.Tensor]:
+        """Capture forward() into a graph; return it and forward's (static) output."""
+
+    def synchronize(self) -> None:
+        """Wait for the device."""
+
+
+class CudaGraphAPI:
+    """GraphAPI over torch.cuda.CUDAGraph."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(
+        self, forward: Callable[[], torch.Tensor], pool: Any
+    ) -> tuple[DecodeGraph, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+        return graph, out
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
 class _Bucket:
     """The static buffers, metadata and (on CUDA) the graph of one batch size."""
 
@@ -61,7 +108,6 @@ class _Bucket:
             decode_seq_ids=list(range(size)),
             decode_token_ids=token_ids,
             decode_block_tables=self.block_tables,
-            decode_mask=torch.empty(0, dtype=torch.bool, device=device),  # reference-only
             decode_seq_lens=self.seq_lens,
             prefill_seq_ids=[],
         )
@@ -85,7 +131,7 @@ class _Bucket:
                 torch.zeros((size, 4), dtype=torch.int32, device=device),
                 torch.zeros((0, 4), dtype=torch.int32, device=device),
             )
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: DecodeGraph | None = None
         self.hidden: torch.Tensor | None = None  # [size, hidden_size], the graph's output
 
 
@@ -102,7 +148,9 @@ class CUDAGraphDecodeRunner:
         max_num_seqs: int,
         buckets: list[int] | None = None,
         tail_window: int = 0,
+        graph_api: GraphAPI | None = None,
     ) -> None:
+        # graph_api None: CUDA graphs on CUDA, eager replay of the static buffers elsewhere
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -113,25 +161,25 @@ class CUDAGraphDecodeRunner:
             size: _Bucket(size, max_blocks, max_model_len, self.device, tail_window)
             for size in self.buckets
         }
-        self.use_graphs = self.device.type == "cuda"
+        if graph_api is None and self.device.type == "cuda":
+            graph_api = CudaGraphAPI(self.device)
+        self.graph_api = graph_api
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first, sharing one memory pool."""
-        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        api = self.graph_api
+        pool = api.pool() if api is not None else None
         for size in sorted(self.buckets, reverse=True):
             bucket = self._buckets[size]
             self.backend.bind(bucket.meta, bucket.step)
-            if not self.use_graphs:
+            if api is None:
                 continue
             self._forward(bucket)  # compiles the kernels outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                bucket.hidden = self._forward(bucket)
-            bucket.graph = graph
-        if self.use_graphs:
-            torch.cuda.synchronize(self.device)
+            api.synchronize()
+            bucket.graph, bucket.hidden = api.capture(lambda b=bucket: self._forward(b), pool)
+        if api is not None:
+            api.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:

@@ -12,8 +12,6 @@ if TYPE_CHECKING:  # torch-free at import: `infer8 plan` uses this module too
 GiB = 1 << 30
 # With no budget given on CPU, take at most this much RAM for the cache (vLLM's CPU default).
 CPU_DEFAULT_KV_BYTES = 4 * GiB
-# Kept back on CUDA for the decode graphs captured after the cache is allocated.
-CUDA_GRAPH_RESERVE_BYTES = GiB // 2
 
 
 @dataclass(frozen=True)
@@ -85,6 +83,28 @@ def estimate_activation_bytes(
     hidden_bytes = 4 * max_num_batched_tokens * (4 * hidden_size + 2 * intermediate_size) * 2
     logits_bytes = max_num_seqs * vocab_size * 4 * 2
     return hidden_bytes + logits_bytes
+
+
+def cuda_graph_bytes(
+    max_num_seqs: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_heads: int,
+    head_dim: int,
+    num_splits: int,
+    num_bucket_rows: int,
+    dtype_bytes: int = 2,
+) -> int:
+    """Return the reserve for the decode graphs' memory pool (captured after the KV cache).
+
+    The largest bucket's step: the split-K decode partials (float32 [B, heads, splits,
+    head_dim] and [B, heads, splits]), and its hidden states and projections as
+    estimate_activation_bytes counts them; plus each bucket's static output [rows, hidden].
+    Heads and intermediate_size are this rank's.
+    """
+    split_bytes = max_num_seqs * num_heads * num_splits * (head_dim + 1) * 4
+    step_bytes = estimate_activation_bytes(hidden_size, intermediate_size, 0, max_num_seqs, 0)
+    return split_bytes + step_bytes + num_bucket_rows * hidden_size * dtype_bytes
 
 
 def left_for_kv_bytes(

@@ -75,27 +75,84 @@ def _finite_(x: torch.Tensor) -> torch.Tensor:
     return x.clamp_(-_LOGIT_LIMIT, _LOGIT_LIMIT)
 
 
-def _apply_penalties(row: torch.Tensor, state: SamplingState, stop_ids: list[int]) -> None:
-    """Apply repetition/presence/frequency penalties and min_tokens in place to one row."""
-    p = state.params
-    device = row.device
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(
-            sorted(set(state.prompt_token_ids) | set(state.output_token_ids)),
-            dtype=torch.int64,
-            device=device,
+def _check_ids(ids: list[int], vocab_size: int, what: str) -> None:
+    """Raise ValueError if a token id is outside the vocabulary."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise ValueError(f"{what} hold a token id outside the vocabulary of {vocab_size}")
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    rows: list[int],
+    states: list[SamplingState],
+    stop_ids: list[list[int]],
+) -> dict[int, str]:
+    """Apply repetition/presence/frequency penalties and min_tokens in place to `rows` of
+    logits ([num_rows, vocab] float32, already finite); stop_ids[j] are row rows[j]'s.
+
+    Batched over every row at once: each penalty is one gather / scatter over the flat
+    (row, token) positions it touches (vLLM scatters into a dense [rows, vocab] count tensor;
+    on a CPU, fresh dense tensors cost more than the positions). Returns the failed rows.
+    """
+    vocab, device = logits.shape[1], logits.device
+    flat = logits.view(-1)
+    errors: dict[int, str] = {}
+    kept: list[int] = []
+    for i in rows:
+        s = states[i]
+        try:
+            _check_ids(s.output_token_ids, vocab, "the output tokens")
+            if s.params.repetition_penalty != 1.0:
+                _check_ids(s.prompt_token_ids, vocab, "the prompt tokens")
+        except ValueError as e:
+            errors[i] = _row_error(i, e)
+            continue
+        kept.append(i)
+    params = [states[i].params for i in kept]
+    is_kept = set(kept)
+
+    def positions(ids_per_row: list[list[int]]) -> torch.Tensor:
+        """Return the flat positions row * vocab + token of every pair, in one tensor."""
+        pos = [i * vocab + t for i, ids in zip(kept, ids_per_row) for t in ids]
+        return torch.tensor(pos, dtype=torch.int64, device=device)
+
+    def per_row(values: list[float], pos: torch.Tensor) -> torch.Tensor:
+        """Return each position's row value (float32, like the logits)."""
+        table = torch.zeros(logits.shape[0], dtype=logits.dtype, device=device)
+        table[torch.tensor(kept, dtype=torch.int64, device=device)] = torch.tensor(
+            values, dtype=logits.dtype, device=device
         )
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and state.output_token_ids:
-        out = torch.tensor(state.output_token_ids, dtype=torch.int64, device=device)
-        counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-    _finite_(row)
-    if len(state.output_token_ids) < p.min_tokens and stop_ids:
-        ids = [t for t in stop_ids if t < row.shape[0]]
-        if len(ids) < row.shape[0]:  # never mask every token
-            row[torch.tensor(ids, dtype=torch.int64, device=device)] = -float("inf")
+        return table[pos // vocab]
+
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = positions([
+            [*states[i].prompt_token_ids, *states[i].output_token_ids]
+            if p.repetition_penalty != 1.0 else []
+            for i, p in zip(kept, params)
+        ]).unique()  # fmt: skip
+        vals = flat[seen]
+        rep = per_row([p.repetition_penalty for p in params], seen)
+        flat[seen] = torch.where(vals > 0, vals / rep, vals * rep)
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        out, counts = positions([
+            states[i].output_token_ids if p.frequency_penalty or p.presence_penalty else []
+            for i, p in zip(kept, params)
+        ]).unique(return_counts=True)  # fmt: skip
+        freq = per_row([p.frequency_penalty for p in params], out)
+        pres = per_row([p.presence_penalty for p in params], out)
+        flat[out] -= freq * counts.to(logits.dtype) + pres * torch.ones_like(freq)
+    _finite_(logits)  # the other rows are finite already
+    masked = [
+        [t for t in stop_ids[j] if t < vocab]
+        if len(states[i].output_token_ids) < states[i].params.min_tokens and i in is_kept
+        else []
+        for j, i in enumerate(rows)
+    ]  # fmt: skip
+    masked = [ids if len(ids) < vocab else [] for ids in masked]  # never mask every token
+    if any(masked):
+        pos = [i * vocab + t for i, ids in zip(rows, masked) for t in ids]
+        flat[torch.tensor(pos, dtype=torch.int64, device=device)] = -float("inf")
+    return errors
 
 
 def _filter_params(
@@ -223,16 +280,21 @@ class Sampler:
         if any(s.params.logprobs is not None for s in states):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = logits  # penalised in place: the raw logprobs above are a separate tensor
-        for i, s in enumerate(states):
-            if not s.needs_penalties:
-                continue
-            p = s.params
-            eos_ids = [*s.eos_token_ids, *eos_token_ids]  # the request's, plus any given here
-            stop_ids = ([] if p.ignore_eos else eos_ids) + p.stop_token_ids
+        penalised = [i for i, s in enumerate(states) if s.needs_penalties]
+        if penalised:
+            stop_ids = []
+            for i in penalised:
+                p = states[i].params
+                eos_ids = [*states[i].eos_token_ids, *eos_token_ids]  # the request's, and these
+                stop_ids.append(([] if p.ignore_eos else eos_ids) + p.stop_token_ids)
             try:
-                _apply_penalties(processed[i], s, stop_ids)
-            except Exception as e:  # noqa: BLE001 - one request's failure must stay its own
-                errors[i] = _row_error(i, e)
+                errors.update(apply_penalties(processed, penalised, states, stop_ids))
+            except Exception:  # noqa: BLE001 - isolate the row that fails, keep the others
+                for i, ids in zip(penalised, stop_ids):
+                    try:
+                        errors.update(apply_penalties(processed, [i], states, [ids]))
+                    except Exception as e:  # noqa: BLE001
+                        errors[i] = _row_error(i, e)
         if is_masked is not None:
             processed.masked_fill_(is_masked, -_LOGIT_LIMIT)
         sampled = [i for i, s in enumerate(states) if not s.params.is_greedy and i not in errors]

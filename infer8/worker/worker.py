@@ -34,11 +34,18 @@ from infer8.worker.kv_cache import (
     populate_in_background,
 )
 from infer8.worker.memory import (
-    CUDA_GRAPH_RESERVE_BYTES,
     GiB,
+    MemoryPlan,
+    cuda_graph_bytes,
     device_memory_bytes,
     estimate_activation_bytes,
     plan_kv_memory,
+)
+from infer8.worker.memory_profile import (
+    CudaMemoryCounters,
+    MemoryCounters,
+    measure_activation_bytes,
+    measure_other_bytes,
 )
 from infer8.worker.model_runner import ModelRunner
 
@@ -60,24 +67,28 @@ class Worker:
         model_path: str,
         tp_group: TensorParallelGroup | None = None,
         gguf: GGUFModel | None = None,
+        memory_counters: MemoryCounters | None = None,
     ) -> None:
-        """Load the shard, size and allocate the KV cache, choose the backend, capture graphs."""
+        """Load the shard, size and allocate the KV cache, choose the backend, capture graphs.
+
+        With no --kv-cache-memory-bytes the cache gets what is left after a profiled largest
+        step, read from `memory_counters` (CUDA's allocator on a GPU; on CPU only if given).
+        """
         model_config, cache_config, scheduler_config = args.create_configs(model_path)
+        if memory_counters is None and model_config.device.type == "cuda":
+            memory_counters = CudaMemoryCounters(model_config.device)
+        self.memory_counters = memory_counters
         self.cache_config, self.scheduler_config = cache_config, scheduler_config
         self.tp_group = tp_group
         self.is_driver = tp_group is None or tp_group.rank == 0
         device = model_config.device
         model, self.hf_config, ckpt_kv_scales = load_model(
-            model_path, model_config.dtype, device, tp_group, gguf
+            model_path, model_config.dtype, device, tp_group, gguf, args.quantization
         )
         self.tp_shard: TensorParallelShard | None = None
         if tp_group is not None:
             arch_config = LlamaArchConfig.from_hf_config(self.hf_config)
             self.tp_shard = TensorParallelShard(arch_config, tp_group.rank, tp_group.world_size)
-        if args.quantization == "fp8":
-            from infer8.quant.fp8_linear import quantize_model_weights, supports_scaled_mm
-
-            quantize_model_weights(model, use_scaled_mm=supports_scaled_mm(device))
         self.packed_linear_layers = self._pack_cpu_weights(model, model_config, scheduler_config)
         if model_config.device.type == "cpu":  # steps' large activations reuse heap blocks
             HostMemory().reuse_large_blocks()
@@ -108,6 +119,8 @@ class Worker:
             exact_sink_tokens=tail.sink_tokens,
             hadamard=tail.hadamard,
         )
+        # decode steps replay CUDA graphs on CUDA unless --enforce-eager (an exact tail too)
+        self.uses_cuda_graphs = cuda_graphs_apply(device, model_config.enforce_eager)
         self.attn_backend = select_backend(
             device, self.kv_spec, enforce_eager=model_config.enforce_eager
         )
@@ -132,7 +145,6 @@ class Worker:
             model_config.max_model_len, arch.max_position_embeddings, capacity_tokens
         )
         self.model_config = dataclasses.replace(model_config, max_model_len=self.max_model_len)
-        model.rope_tables(self.max_model_len, device, model_config.dtype)
         self.kv_caches: list[LayerKVCache] = allocate_kv_cache(
             self.kv_spec, self.num_blocks, device, self.num_tail_rows
         )
@@ -154,7 +166,7 @@ class Worker:
         if kernels is not None:  # CPU logits (float32 from compute_logits): a native argmax
             self.runner.sampler.greedy = kernels.greedy
             self.runner.sampler.candidates = kernels.nucleus_candidates
-        if device.type == "cuda" and not model_config.enforce_eager and not self.uses_exact_tail:
+        if self.uses_cuda_graphs:
             self._capture_cuda_graphs()
 
     # -- construction helpers -------------------------------------------------------------
@@ -193,18 +205,20 @@ class Worker:
             sched.max_num_seqs,
         )
         other_bytes = graph_bytes = 0
+        device_bytes = device_memory_bytes(device)
         is_measured = False
-        if device.type == "cuda" and self.cache_config.kv_cache_memory_bytes is None:
-            free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-            other_bytes = max(0, total_bytes - free_bytes - torch.cuda.memory_reserved(device))
-            act_bytes = measure_activation_bytes(model, self.kv_spec, sched, device)
+        counters = self.memory_counters
+        if counters is not None and self.cache_config.kv_cache_memory_bytes is None:
+            act_bytes = measure_activation_bytes(model, self.kv_spec, sched, device, counters)
+            other_bytes = measure_other_bytes(counters)  # after the profile: see there
+            device_bytes = counters.mem_get_info()[1]
             is_measured = True
-            if not model_config.enforce_eager:
-                graph_bytes = CUDA_GRAPH_RESERVE_BYTES
+            if self.uses_cuda_graphs:
+                graph_bytes = self._graph_reserve_bytes(model)
         max_len = model_config.max_model_len or arch.max_position_embeddings
         need_blocks = sched.max_num_seqs * cdiv(max_len, self.kv_spec.block_size)
         plan = plan_kv_memory(
-            device_memory_bytes(device),
+            device_bytes,
             self.cache_config.gpu_memory_utilization,
             weight_bytes,
             act_bytes,
@@ -215,9 +229,27 @@ class Worker:
             graph_bytes=graph_bytes,
             is_measured=is_measured,
         )
+        self.memory_plan: MemoryPlan = plan  # where the KV budget came from
         if self.is_driver:
             print(plan.report(device.type == "cpu"), flush=True)
         return plan.kv_bytes
+
+    def _graph_reserve_bytes(self, model: LlamaForCausalLM) -> int:
+        """Return the decode graphs' reserve from this rank's shapes (see memory.py)."""
+        from infer8.worker.cuda_graphs import batch_buckets
+
+        arch, max_num_seqs = model.config, self.scheduler_config.max_num_seqs
+        num_splits = getattr(self.attn_backend, "num_splits", None)
+        return cuda_graph_bytes(
+            max_num_seqs,
+            arch.hidden_size,
+            arch.intermediate_size,
+            arch.num_attention_heads,
+            arch.head_dim,
+            num_splits(arch.num_key_value_heads) if callable(num_splits) else 1,
+            sum(batch_buckets(max_num_seqs)),
+            model.embed_tokens.weight.element_size(),  # the compute dtype
+        )
 
     def _describe_kv_cache(self) -> str:
         """Return the start-up line: the cache's size and type, the tokens and requests it holds."""
@@ -314,56 +346,9 @@ class Worker:
         return [int(c.num_saturated) if c.num_saturated is not None else 0 for c in self.kv_caches]
 
 
-def profile_step(
-    model: LlamaForCausalLM,
-    kv_spec: KVCacheSpec,
-    max_num_batched_tokens: int,
-    max_num_seqs: int,
-    max_len: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """Run the largest step the scheduler can hand out on a throwaway cache; return its logits.
-
-    max_num_batched_tokens prompt tokens in sequences of at most max_len, then logits and the
-    sampler's float32 copy for max_num_seqs rows: the activations a real step can reach.
-    """
-    from infer8.attention.metadata import build_attention_metadata
-
-    spec = dataclasses.replace(kv_spec, exact_tail_tokens=0, hadamard=False)
-    query_lens = [min(max_len, max_num_batched_tokens - i)
-                  for i in range(0, max_num_batched_tokens, max_len)]  # fmt: skip
-    block_ids, next_block = [], 0
-    for n in query_lens:
-        num_blocks = cdiv(n, spec.block_size)
-        block_ids.append(list(range(next_block, next_block + num_blocks)))
-        next_block += num_blocks
-    caches = allocate_kv_cache(spec, next_block, device)
-    meta = build_attention_metadata(
-        query_lens, [0] * len(query_lens), block_ids, spec.block_size, device
-    )
-    input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64, device=device)
-    positions = torch.cat([torch.arange(n, device=device) for n in query_lens])
-    with torch.inference_mode():
-        hidden = model(input_ids, positions, meta, caches)
-        rows = torch.arange(max_num_seqs, device=device) % max_num_batched_tokens
-        logits = model.compute_logits(hidden[rows])  # [max_num_seqs, vocab]
-        return torch.softmax(logits.float(), dim=-1)
-
-
-def measure_activation_bytes(
-    model: LlamaForCausalLM, kv_spec: KVCacheSpec, sched: SchedulerConfig, device: torch.device
-) -> int:
-    """Return the CUDA allocator's peak over a profile_step (the cache it uses included)."""
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    max_len = model.config.max_position_embeddings
-    profile_step(model, kv_spec, sched.max_num_batched_tokens, sched.max_num_seqs, max_len, device)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
-    torch.cuda.empty_cache()
-    return peak
+def cuda_graphs_apply(device: torch.device, enforce_eager: bool) -> bool:
+    """Return whether decode steps replay CUDA graphs: on CUDA, unless --enforce-eager."""
+    return device.type == "cuda" and not enforce_eager
 
 
 def resolve_max_model_len(

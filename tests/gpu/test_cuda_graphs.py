@@ -42,7 +42,6 @@ def _setup(
     model, _, _ = load_model(str(llama_dir), dtype, DEVICE)
     backend = triton_paged.TritonAttention(DEVICE)
     model.set_attention_backend(backend)
-    model.rope_tables(256, DEVICE, dtype)
     cfg = model.config
     spec = KVCacheSpec(
         cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, BLOCK_SIZE, kv_dtype,
@@ -100,14 +99,44 @@ def _cache_tensors(caches: list) -> list[torch.Tensor]:
     return out
 
 
+class _FakeGraph:
+    """A "graph" that runs the captured forward again on replay, into the static output."""
+
+    def __init__(self, forward, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+        self.forward, self.out = forward, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward())
+
+
+class _FakeGraphAPI:
+    """The CUDA graph API's CPU stand-in: records the buckets captured, in order."""
+
+    def __init__(self) -> None:
+        self.captured: list[int] = []
+
+    def pool(self) -> object:
+        return object()
+
+    def capture(self, forward, pool: object) -> tuple[_FakeGraph, torch.Tensor]:  # type: ignore[no-untyped-def]
+        out = forward()
+        self.captured.append(out.shape[0])
+        return _FakeGraph(forward, out), out
+
+    def synchronize(self) -> None:
+        pass
+
+
 @pytest.mark.parametrize("tail_window", [0, 6], ids=["plain", "exact-tail"])
 def test_padded_bucket_decode_equals_unpadded_and_writes_nothing_else(
     llama_dir: Path, tail_window: int
 ) -> None:
-    """On CPU the runner replays eagerly, so this checks the buckets' padding, not capture.
+    """On CPU the graph API is a stand-in whose replay runs the captured forward again, so
+    this checks capture, the buckets' static buffers and their padding, not CUDA's capture.
 
-    With an exact tail the bucket's static tail tables must give what the eager step reads,
-    and its padding rows must enter no ring and no sink slot.
+    With an exact tail (and rotated keys, the FP8 default where graphs run) the bucket's
+    static tail tables must give what the eager step reads, and its padding rows must enter
+    no ring and no sink slot; capturing (all rows padding) writes nothing either.
     """
     model, backend, caches = _setup(llama_dir, torch.float32, torch.float8_e4m3fn, tail_window)
     seats = _Seats(tail_window)
@@ -125,12 +154,17 @@ def test_padded_bucket_decode_equals_unpadded_and_writes_nothing_else(
     for t, old in zip(_cache_tensors(caches), before):  # the step again, from the same state
         t.copy_(old)
 
+    api = _FakeGraphAPI()
     runner = cuda_graphs.CUDAGraphDecodeRunner(
-        model, caches, backend, BLOCK_SIZE, 256, 8, tail_window=tail_window
-    )
+        model, caches, backend, BLOCK_SIZE, 256, 8, buckets=[1, 4], tail_window=tail_window,
+        graph_api=api,
+    )  # fmt: skip
     runner.capture()
+    assert api.captured == [4, 1]  # largest first, into one pool
+    for t, old in zip(_cache_tensors(caches), before):  # capture wrote nothing
+        assert torch.equal(float_ordinals(t), float_ordinals(old))
     assert runner.can_run(meta, 3) and not runner.can_run(meta, 4)  # static-batch padding
-    got = runner.run(ids, positions, meta)  # bucket 4: one padding row
+    got = runner.run(ids, positions, meta)  # bucket 4: one padding row, replayed
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for t, old, was in zip(_cache_tensors(caches), after, before):

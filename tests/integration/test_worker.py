@@ -39,15 +39,16 @@ def sample():
         peak[0] = max(peak[0], rss_anon())
         time.sleep(0.001)
 
+quantization = sys.argv[3] if len(sys.argv) > 3 else None
 # a small load first: torch's one-time set-up (thread pools, allocator arenas) is not loading
-load_model(sys.argv[2], torch.bfloat16, torch.device("cpu"))
+load_model(sys.argv[2], torch.bfloat16, torch.device("cpu"), quantization=quantization)
 base = rss_anon()
 thread = threading.Thread(target=sample)
 thread.start()
-model, _, _ = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"))
+model, _, _ = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"), quantization=quantization)
 done.set()
 thread.join()
-weights = sum(p.numel() * p.element_size() for p in model.parameters())
+weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 print(json.dumps({"peak_over_base": max(peak[0], rss_anon()) - base, "weights": weights}))
 """
 
@@ -81,6 +82,23 @@ def test_loading_never_holds_a_full_precision_copy(medium_model: Path, tmp_path:
     assert figures["weights"] > 100e6  # big enough for a float32 copy (2x) to show
     # the final bf16 weights plus one checkpoint tensor in flight; a float32 copy would be 3x
     assert figures["peak_over_base"] <= 1.25 * figures["weights"], figures
+
+
+def test_fp8_quantization_never_holds_the_16_bit_model(medium_model: Path, tmp_path: Path) -> None:
+    small = build_tiny_model(tmp_path, "llama")
+    result = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(medium_model), str(small), "fp8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["weights"] > 60e6  # FP8 linears, 16-bit embeddings and LM head
+    # the FP8 weights plus one projection in flight (1.4x here); the 16-bit model with its
+    # FP8 copies made beside it: 3.3x (241 vs 73 MB)
+    assert figures["peak_over_base"] <= 1.7 * figures["weights"], figures
 
 
 def test_plan_and_engine_agree_on_the_kv_budget(tmp_path: Path) -> None:
@@ -145,13 +163,132 @@ def test_the_profiled_step_runs_the_largest_batch_the_scheduler_can_hand_out(
     tmp_path: Path,
 ) -> None:
     # On CUDA its allocator peak is the activation reserve; here it must at least run.
-    from infer8.worker.worker import Worker, profile_step
+    from infer8.worker.memory_profile import profile_step
+    from infer8.worker.worker import Worker
 
     model_dir = str(build_tiny_model(tmp_path, "llama"))
     args = EngineArgs(model=model_dir, dtype="float32", device="cpu", max_model_len=128)
     worker = Worker(args, model_dir)
     probs = profile_step(worker.model, worker.kv_spec, 300, 7, 128, torch.device("cpu"))
     assert probs.shape == (7, 512) and torch.allclose(probs.sum(-1), torch.ones(7))
+
+
+def test_the_memory_profile_runs_on_a_freshly_loaded_model(tmp_path: Path) -> None:
+    # the start-up profile runs before the KV cache exists: the model alone must run a step
+    from infer8.models.loader import load_model
+    from infer8.worker.memory_profile import profile_step
+
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    model, _, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
+    spec = KVCacheSpec(2, 2, 16, 16, torch.float32)
+    probs = profile_step(model, spec, 600, 5, model.config.max_position_embeddings,
+                         torch.device("cpu"))  # fmt: skip
+    assert probs.shape == (5, 512) and torch.isfinite(probs).all()
+    # the tables cover every position the model has, in float64 rounded once
+    pos = model.config.max_position_embeddings - 1
+    inv_freq = 1.0 / (model.config.rope_theta ** (torch.arange(0, 16, 2).double() / 16))
+    torch.testing.assert_close(model.cos_table[pos], (pos * inv_freq).cos().float())
+
+
+class FakeMemoryCounters:
+    """Device counters for a CPU run of the CUDA start-up path, with a known truth.
+
+    The throwaway cache of the profile adds to `allocated`; the profiled step itself peaks at
+    `step_peak_bytes` above what was live; running it loads `loaded_bytes` of kernels and
+    workspaces outside the allocator (so they show in mem_get_info only after the profile).
+    """
+
+    def __init__(self, total_bytes: int, other_process_bytes: int, events: list[str]) -> None:
+        self.total_bytes, self.other_process_bytes = total_bytes, other_process_bytes
+        self.events = events
+        self.allocated = 50 << 20  # the weights, say
+        self.step_peak_bytes = 300 << 20
+        self.loaded_bytes = 20 << 20
+        self.has_profiled = False
+        self.peak_base = 0
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def mem_get_info(self) -> tuple[int, int]:
+        used = self.allocated + self.other_process_bytes
+        used += self.loaded_bytes if self.has_profiled else 0
+        return self.total_bytes - used, self.total_bytes
+
+    def reserved_bytes(self) -> int:
+        return self.allocated
+
+    def allocated_bytes(self) -> int:
+        return self.allocated
+
+    def reset_peak(self) -> None:
+        self.events.append("profile")
+        self.peak_base = self.allocated
+
+    def peak_allocated_bytes(self) -> int:
+        self.has_profiled = True
+        return self.peak_base + self.step_peak_bytes
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_start_up_profiles_then_allocates_the_cache_then_captures_graphs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
+) -> None:
+    # the CUDA start-up order with the device swapped for CPU: fake counters, graphs recorded;
+    # an FP8 cache keeps its exact tail and rotation (the defaults) and still gets graphs
+    from infer8.worker import memory_profile, worker
+    from infer8.worker.kv_cache import allocate_kv_cache
+    from infer8.worker.memory import GiB
+
+    events: list[str] = []
+    counters = FakeMemoryCounters(4 * GiB, 100 << 20, events)
+
+    def profile_cache(spec, num_blocks, device, num_tail_rows=0):  # type: ignore[no-untyped-def]
+        caches = allocate_kv_cache(spec, num_blocks, device, num_tail_rows)
+        counters.allocated += spec.bytes_per_block * num_blocks  # live until the step ends
+        return caches
+
+    def engine_cache(*args, **kwargs):  # type: ignore[no-untyped-def]
+        events.append("kv cache")
+        return allocate_kv_cache(*args, **kwargs)
+
+    monkeypatch.setattr(memory_profile, "allocate_kv_cache", profile_cache)
+    monkeypatch.setattr(worker, "allocate_kv_cache", engine_cache)
+    monkeypatch.setattr(worker, "cuda_graphs_apply", lambda device, enforce_eager: True)
+    monkeypatch.setattr(worker.Worker, "_capture_cuda_graphs", lambda self: events.append("graphs"))
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    args = EngineArgs(
+        model=model_dir, dtype="float32", device="cpu", gpu_memory_utilization=0.15,
+        max_num_seqs=4096, max_num_batched_tokens=1024, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+    w = worker.Worker(args, model_dir, memory_counters=counters)
+    assert w.uses_exact_tail == (kv_cache_dtype == "fp8_e4m3")
+    assert events == ["profile", "kv cache", "graphs"]
+    plan_ = w.memory_plan
+    assert plan_.is_measured and plan_.source == "left"
+    # the step's own peak, not the throwaway cache it ran on
+    assert plan_.activation_bytes == counters.step_peak_bytes
+    # other processes, and what the profile loaded outside the allocator
+    assert plan_.other_bytes == counters.other_process_bytes + counters.loaded_bytes
+    left = int(0.15 * 4 * GiB) - plan_.weight_bytes - plan_.activation_bytes - plan_.other_bytes
+    left -= plan_.graph_bytes
+    assert plan_.graph_bytes == w._graph_reserve_bytes(w.model) and plan_.kv_bytes == left
+    assert w.num_blocks == w.kv_spec.num_blocks_for(left, w.num_tail_rows)
+
+
+def test_the_cuda_graph_reserve_covers_the_split_k_partials() -> None:
+    from infer8.worker.memory import GiB, cuda_graph_bytes
+
+    # 512 rows of a 70B-shaped rank (64 heads of 128, 32 splits): the float32 partials
+    # alone are 512 * 64 * 32 * 129 * 4 bytes, more than a fixed half GiB
+    partial_bytes = 512 * 64 * 32 * 129 * 4
+    reserve = cuda_graph_bytes(512, 8192, 28672, 64, 128, 32, num_bucket_rows=3000)
+    assert partial_bytes > GiB // 2 and reserve > partial_bytes + 3000 * 8192 * 2
+    # and it grows with the batch (a small max_num_seqs reserves little)
+    assert cuda_graph_bytes(8, 8192, 28672, 64, 128, 32, num_bucket_rows=15) < reserve / 50
 
 
 def test_memory_report_names_every_deduction() -> None:

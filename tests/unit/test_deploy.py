@@ -248,6 +248,24 @@ def test_seed_overlay_has_the_seed_flags_and_a_shape_that_starts() -> None:
     assert planned.fits and planned.max_concurrent_sessions == 26  # as the overlay documents
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_tensor_parallel_pods_give_nccl_a_memory_backed_dev_shm(overlay: str) -> None:
+    pod = by_kind(render(overlay), "Deployment")["spec"]["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if c["name"] == "infer8"]
+    args = container.get("args", [])
+    tp = (
+        int(args[args.index("--tensor-parallel-size") + 1])
+        if "--tensor-parallel-size" in args
+        else 1
+    )
+    mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    if tp > 1:
+        assert "/dev/shm" in mounts, overlay
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert "/models" in mounts or overlay == "cpu"  # the patch keeps the base's model mount
+
+
 def test_h200_overlay_fits_and_fills_its_model_volume() -> None:
     docs = render("gpu-h200-fp8")
     deployment = by_kind(docs, "Deployment")

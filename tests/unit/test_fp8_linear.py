@@ -73,6 +73,33 @@ def test_scaled_mm_path_matches_its_emulation(static_input: bool) -> None:
     assert _rel(got, linear(x)) < WEIGHT_AND_INPUT_TOL
 
 
+def test_scaled_mm_probe_runs_the_forwards_call_and_takes_a_tuple_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # older torch builds return (out, amax); the forward and the probe take the product
+    real = torch._scaled_mm
+    calls: list[tuple] = []
+
+    def tuple_scaled_mm(a, b, *, scale_a, scale_b, out_dtype):  # type: ignore[no-untyped-def]
+        calls.append((tuple(scale_a.shape), tuple(scale_b.shape), out_dtype))
+        out = real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        return out, torch.zeros(())
+
+    monkeypatch.setattr(torch, "_scaled_mm", tuple_scaled_mm)
+    linear = _linear(3)
+    layer = Fp8Linear.from_linear(linear, per_channel=True, use_scaled_mm=True)
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    assert _rel(layer(x), linear(x)) < WEIGHT_AND_INPUT_TOL
+    a = torch.ones((16, 16)).to(fp8_linear.WEIGHT_DTYPE)
+    out = fp8_linear.scaled_mm(
+        a, a.t(), torch.full((16, 1), 2.0), torch.full((1, 16), 0.5), torch.bfloat16
+    )
+    assert out.dtype == torch.bfloat16 and bool((out == 16.0).all())
+    # the forward's call: row-wise scales, the model dtype out (what the CUDA probe now tries)
+    assert calls[0] == ((4, 1), (1, 96), torch.bfloat16)
+    assert calls[1] == ((16, 1), (1, 16), torch.bfloat16)
+
+
 def test_module_to_dtype_keeps_fp8_weights_and_fp32_scales() -> None:
     layer = Fp8Linear.from_linear(_linear(3)).to(torch.float32).to(torch.bfloat16)
     assert layer.weight.dtype == torch.float8_e4m3fn
@@ -88,7 +115,6 @@ def _prefill_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tenso
     caches = allocate_kv_cache(spec, 4, torch.device("cpu"))
     n = len(token_ids)
     meta = build_attention_metadata([n], [0], [[0, 1, 2, 3]], 16, torch.device("cpu"))
-    model.rope_tables(64, torch.device("cpu"), torch.float32)
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), torch.arange(n), meta, caches)
         return model.compute_logits(hidden)
@@ -124,6 +150,26 @@ def test_fp8_checkpoint_loads_into_fp8_linears(
     if per_channel:  # loading the checkpoint == quantizing the 16-bit model in memory
         fp8_linear.quantize_model_weights(reference, per_channel=True)
         assert torch.equal(got, _prefill_logits(reference, prompt))
+
+
+@pytest.mark.parametrize("arch_dir", ["llama_dir", "qwen2_dir"])
+def test_quantizing_on_load_equals_quantizing_the_loaded_16_bit_model(
+    arch_dir: str, request: pytest.FixtureRequest
+) -> None:
+    # --quantization fp8 quantizes each tensor as it is loaded, never holding a 16-bit model
+    model_dir = str(request.getfixturevalue(arch_dir))
+    cpu = torch.device("cpu")
+    got, _, _ = load_model(model_dir, torch.bfloat16, cpu, quantization="fp8")
+    want, _, _ = load_model(model_dir, torch.bfloat16, cpu)
+    fp8_linear.quantize_model_weights(want)
+    got_state, want_state = got.state_dict(), want.state_dict()
+    assert got_state.keys() == want_state.keys()
+    for name, tensor in want_state.items():
+        assert got_state[name].dtype == tensor.dtype, name
+        assert torch.equal(got_state[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert isinstance(got.layers[1].mlp.down_proj, Fp8Linear)
+    prompt = [5, 17, 42, 99, 7, 300, 12, 8]
+    assert torch.equal(_prefill_logits(got, prompt), _prefill_logits(want, prompt))
 
 
 def test_fp8_checkpoint_errors_are_clear(llama_dir: Path, tmp_path: Path) -> None:

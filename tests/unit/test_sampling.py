@@ -9,7 +9,7 @@ import torch
 
 from infer8.attention.cpu_native import NativeFP8Gather, build_library
 from infer8.sampling_params import SamplingParams
-from infer8.worker.sampler import Sampler, SamplingState
+from infer8.worker.sampler import Sampler, SamplingState, apply_penalties
 
 
 @pytest.mark.parametrize(
@@ -151,14 +151,16 @@ def test_non_finite_parameters_are_refused(value: float) -> None:
 def test_a_failing_row_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     import infer8.worker.sampler as sampler_mod
 
-    real = sampler_mod._apply_penalties
+    real = sampler_mod.apply_penalties
 
-    def fail_on_penalty_two(row: torch.Tensor, state: SamplingState, stop_ids: list[int]) -> None:
-        if state.params.repetition_penalty == 2.0:
+    def fail_on_penalty_two(
+        logits: torch.Tensor, rows: list[int], states: list[SamplingState], stop_ids: list
+    ) -> dict[int, str]:
+        if any(states[i].params.repetition_penalty == 2.0 for i in rows):
             raise RuntimeError("boom")
-        real(row, state, stop_ids)
+        return real(logits, rows, states, stop_ids)
 
-    monkeypatch.setattr(sampler_mod, "_apply_penalties", fail_on_penalty_two)
+    monkeypatch.setattr(sampler_mod, "apply_penalties", fail_on_penalty_two)
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3)
     states = [
         _state(temperature=0.0),
@@ -311,3 +313,58 @@ def test_native_candidates_keep_the_sorted_vocabularys_support_and_distribution(
         for p, token in zip(top.values.tolist(), top.indices.tolist()):
             sigma = math.sqrt(draws * p * (1 - p))
             assert abs(counts[row, token] - draws * p) < 5 * sigma + 1, (row, token)
+
+
+def _penalise_row(row: torch.Tensor, state: SamplingState, stop_ids: list[int]) -> None:
+    """The row-by-row reference: Python sets and one row's tensors at a time."""
+    p = state.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(state.prompt_token_ids) | set(state.output_token_ids)))
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and state.output_token_ids:
+        counts = torch.bincount(torch.tensor(state.output_token_ids), minlength=row.shape[0])
+        counts = counts.to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    row.nan_to_num_(nan=-1e20, posinf=1e20, neginf=-1e20).clamp_(-1e20, 1e20)
+    if len(state.output_token_ids) < p.min_tokens and stop_ids:
+        row[torch.tensor(stop_ids)] = -float("inf")
+
+
+def test_batched_penalties_equal_the_row_by_row_reference() -> None:
+    vocab = 300
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, 40, (n,), generator=gen).tolist()  # many repeats
+
+    rows = [  # (params, prompt, output, stop ids)
+        ({"repetition_penalty": 1.3}, ids(50), ids(9), []),
+        ({"repetition_penalty": 0.7, "frequency_penalty": 0.4}, ids(20), ids(30), []),
+        ({"presence_penalty": -1.5}, ids(5), ids(12), []),
+        ({}, ids(10), ids(3), []),  # nothing to apply: the row stays as it is
+        (
+            {"frequency_penalty": 1.1, "presence_penalty": 0.3, "repetition_penalty": 1.05},
+            ids(64),
+            ids(64),
+            [],
+        ),  # fmt: skip
+        ({"min_tokens": 5, "max_tokens": 9, "repetition_penalty": 1.2}, ids(8), ids(2), [4, 7]),
+        ({"repetition_penalty": 1e-38}, ids(8), ids(4), []),  # to +-inf, then clamped
+        ({"min_tokens": 2, "max_tokens": 9}, ids(8), ids(3), [4]),  # min_tokens already met
+        ({"repetition_penalty": 1.3}, [5, vocab + 3], [], []),  # a bad id fails its row alone
+    ]
+    states = [
+        SamplingState(SamplingParams(temperature=1.0, **kw), prompt, out)
+        for kw, prompt, out, _ in rows
+    ]
+    logits = torch.randn(len(rows) + 1, vocab, generator=gen) * 5  # + a row not penalised
+    want = logits.clone()
+    for i, (state, row) in enumerate(zip(states[:-1], rows[:-1])):
+        _penalise_row(want[i], state, row[3])
+    got = logits.clone()
+    errors = apply_penalties(got, list(range(len(rows))), states, [r[3] for r in rows])
+    assert list(errors) == [len(rows) - 1] and "ValueError" in errors[len(rows) - 1]
+    assert torch.equal(got[:-2], want[:-2])  # bit for bit
+    assert torch.equal(got[-1], logits[-1]) and torch.equal(got[3], logits[3])
+    assert torch.isinf(got[5, [4, 7]]).all() and not torch.isinf(got[7]).any()
