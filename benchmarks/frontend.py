@@ -15,6 +15,10 @@ Starts `infer8 serve` on 127.0.0.1 (the default model unless --model), then, fro
 
 --client-nice N runs every load-generating process at nice N, as if the clients had their own
 machine (the server keeps the CPU when both want it).
+
+--abuse adds, per request that once stalled the server (a 15 MB /tokenize prompt, 2,000,000
+prompts, 500,000 messages, a JSON schema nested 50,000 levels), /health's latency while one
+client process posts it in a loop.
 """
 
 from __future__ import annotations
@@ -79,6 +83,57 @@ def _flood(url: str, seconds: float) -> None:
     with httpx.Client(timeout=60) as client:
         while time.monotonic() < end:
             client.post(f"{url}/v1/completions", content=body, headers=headers)
+
+
+ABUSE = {
+    "tokenize_15mb": ("/tokenize", {"prompt": "ab " * 5_000_000}),
+    "prompts_2m": ("/v1/completions", {"prompt": ["a"] * 2_000_000, "max_tokens": 1}),
+    "messages_500k": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": ""}] * 500_000},
+    ),
+    "schema_depth_50k": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 1, "guided_json": '{"a":' * 50_000 + "1" + "}" * 50_000},
+    ),
+}
+
+
+def _post_loop(url: str, path: str, body: bytes, seconds: float) -> None:
+    """Post one body in a loop for `seconds` (runs in its own process); each must be a 4xx."""
+    headers = {"Content-Type": "application/json"}
+    end = time.monotonic() + seconds
+    with httpx.Client(timeout=60) as client:
+        while time.monotonic() < end:
+            status = client.post(f"{url}{path}", content=body, headers=headers).status_code
+            assert 400 <= status < 500, status
+
+
+def health_under_abuse(url: str, duration_s: float = 6.0) -> dict[str, dict[str, float]]:
+    """Return /health's latency percentiles while each ABUSE body is posted in a loop."""
+    results = {}
+    ctx = multiprocessing.get_context("spawn")
+    for name, (path, body) in ABUSE.items():
+        raw = json.dumps(body).encode()
+        poster = ctx.Process(target=_post_loop, args=(url, path, raw, duration_s + 1.0))
+        poster.start()
+        results[name] = _poll_health(url, duration_s, start_after_s=1.0)
+        poster.join()
+        assert poster.exitcode == 0, name
+    return results
+
+
+def _poll_health(url: str, duration_s: float, start_after_s: float) -> dict[str, float]:
+    time.sleep(start_after_s)
+    latencies = []
+    with httpx.Client(timeout=10) as client:
+        end = time.monotonic() + duration_s
+        while time.monotonic() < end:
+            start = time.perf_counter()
+            assert client.get(f"{url}/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.02)
+    return percentiles(latencies)
 
 
 def health_under_big_prompts(url: str, duration_s: float = 10.0) -> dict[str, float]:
@@ -182,7 +237,23 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", default=None)
     parser.add_argument("--client-nice", type=int, default=0, help="nice of the load generators")
+    parser.add_argument("--abuse", action="store_true", help="also /health under ABUSE bodies")
+    parser.add_argument("--abuse-only", action="store_true", help="only the ABUSE measurements")
     args = parser.parse_args()
+    if args.abuse_only:
+        port = _free_port()
+        server = start_server(args.model, port, ["--kv-cache-memory-bytes", str(256 << 20)])
+        try:
+            os.nice(args.client_nice)
+            results = {"health_under_abuse": health_under_abuse(f"http://127.0.0.1:{port}")}
+        finally:
+            server.terminate()
+            server.wait()
+        print(json.dumps(results, indent=2))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+        os._exit(0)
     results: dict[str, object] = {"client_nice": args.client_nice}
     # Every server starts first, at this process's priority; then the load generators (this
     # process and the flood processes it spawns) drop to --client-nice.
@@ -201,6 +272,8 @@ def main() -> None:
             f"http://127.0.0.1:{ports[0]}"
         )
         results["time_to_503_in_400_burst"] = overload_burst(ports[1])
+        if args.abuse:
+            results["health_under_abuse"] = health_under_abuse(f"http://127.0.0.1:{ports[0]}")
         results["floor_health_under_1mb_prompts"] = health_under_big_prompts(
             f"http://127.0.0.1:{ports[2]}"
         )
