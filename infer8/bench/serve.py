@@ -7,7 +7,7 @@ the generated text, else by counting streamed chunks; each request records which
 
 The client is aiohttp, as `vllm bench serve`'s: on a machine the server shares, the load
 generator's own CPU time is taken from the server (httpx's pure-Python stream parsing cost ~2.5x
-aiohttp's per streamed chunk here, docs/benchmarks.md, session 13).
+aiohttp's per streamed chunk on a 2-core machine).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ _GREEDY_TEMPERATURE = 1e-5
 # tokens when their support fits there (chat defaults such as temperature 0.2, top_p 0.9 nearly
 # always do), else among the next tier's, else over the sorted vocabulary: partial selections
 # instead of a sort. 32 rows of a 49,152-token vocab: sort 60 ms, topk(256) 3 ms, topk(4096)
-# 10 ms (docs/benchmarks.md, session 13).
+# 10 ms (docs/benchmarks.md, "Online").
 CANDIDATES = (256, 4096)
 # On CPU a native pass finds each row's candidates instead (NativeFP8Gather.nucleus_candidates:
 # every token within a few natural-log units of the row's maximum, as few units as hold the
