@@ -23,6 +23,7 @@ SCRIPT = Path(__file__).with_name("compile_kernels.py")
 ROOT = SCRIPT.parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="on a GPU the other tests compile and run the kernels"
 )

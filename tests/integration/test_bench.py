@@ -344,6 +344,7 @@ def test_serve_latencies_agree_with_the_official_openai_client(tmp_path: Path) -
         )
 
 
+@pytest.mark.slow
 def test_suite_runs_every_workload_against_its_matmul_roofline(
     llama_dir: Path, tmp_path: Path
 ) -> None:

@@ -41,6 +41,10 @@ LAYER_PARAMS = (
 )
 
 
+# Loading the GGUF through transformers takes most of a minute on 2 cores.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     """Return the converted default model in the shared cache, pulling it on first use."""

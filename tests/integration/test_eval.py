@@ -113,6 +113,7 @@ def test_gsm8k_parsing(tmp_path: Path) -> None:
         read_gsm8k(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_gsm8k_on_the_default_model(tmp_path: Path) -> None:
     data = tmp_path / "gsm8k.jsonl"

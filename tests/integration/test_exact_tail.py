@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from infer8 import LLM, SamplingParams
@@ -162,6 +163,7 @@ def test_sinks_are_shared_by_prefix_hits(llama_dir: Path) -> None:
     assert (lost - want).abs().max().item() > 1e-3
 
 
+@pytest.mark.slow
 def test_eval_kv_variants_reports_every_row(llama_dir: Path) -> None:
     from infer8.eval.kv_variants import VARIANTS, format_variants, run_kv_variants
 

@@ -48,6 +48,7 @@ def gguf_path(model_dir: Path) -> Path:
     return default_gguf_path()
 
 
+@pytest.mark.slow
 def test_gguf_matches_transformers_gguf_loading_in_float32(gguf_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -65,6 +66,7 @@ def test_gguf_matches_transformers_gguf_loading_in_float32(gguf_path: Path) -> N
         assert err < 1e-3, f"{text!r}: max abs logits error {err}"
 
 
+@pytest.mark.slow
 def test_gguf_file_and_converted_dir_give_the_same_logits(gguf_path: Path, model_dir: Path) -> None:
     # The converted dir stores bf16 weights, so compare both at bf16: identical weights, identical logits.
     a = LLM(str(gguf_path), dtype="bfloat16", kv_cache_memory_bytes=32 << 20)

@@ -142,6 +142,7 @@ def _run(
             engine.executor.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp2_logits_and_greedy_match_tp1_with_chunking_and_preemption(
     case: str, model_dirs: dict[str, Path]
@@ -158,6 +159,7 @@ def test_tp2_logits_and_greedy_match_tp1_with_chunking_and_preemption(
         assert err < 1e-4, f"step {step}: max abs logits error {err}"
 
 
+@pytest.mark.slow
 def test_tp2_fp8_cache_matches_tp1_fp8_cache(model_dirs: dict[str, Path]) -> None:
     single = _run(model_dirs["qwen2-4kv"], 4, tp=1, kv_cache_dtype="fp8_e4m3")
     split = _run(model_dirs["qwen2-4kv"], 4, tp=2, kv_cache_dtype="fp8_e4m3")
@@ -168,6 +170,7 @@ def test_tp2_fp8_cache_matches_tp1_fp8_cache(model_dirs: dict[str, Path]) -> Non
     assert err < 1e-3
 
 
+@pytest.mark.slow
 def test_tp2_fp8_weights_match_tp1_fp8_weights(model_dirs: dict[str, Path]) -> None:
     # Row-parallel shards take their per-channel scales over every rank: the same weights.
     single = _run(model_dirs["llama-4kv"], 4, tp=1, quantization="fp8")
