@@ -222,3 +222,15 @@ def wait_healthy(proc: subprocess.Popen[str], url: str, timeout_s: float = 120.0
                 return
         except httpx.TransportError:
             time.sleep(0.2)
+
+
+def wait_for_js(page: Any, expression: str, timeout: float = 30_000) -> None:
+    """Poll a JavaScript expression from Python until it is truthy (timeout in ms).
+
+    Playwright's own wait_for_function re-evaluates its predicate with eval inside the page,
+    which the console's content security policy (no 'unsafe-eval') rightly refuses.
+    """
+    deadline = time.monotonic() + timeout / 1000
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"timed out waiting for {expression}"
+        time.sleep(0.05)

@@ -17,7 +17,7 @@ from playwright.sync_api import Browser, BrowserContext, Page, Request, sync_pla
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
 from infer8.entrypoints.openai.cli_args import ServerConfig
-from tests.utils import RunningServer, start_server, stop_server
+from tests.utils import RunningServer, start_server, stop_server, wait_for_js
 
 pytestmark = [pytest.mark.browser, pytest.mark.real_model]
 
@@ -76,7 +76,8 @@ def _keyed_page(
 
 
 def _wait_for_answers(page: Page, num: int, timeout_ms: int) -> None:
-    page.wait_for_function(
+    wait_for_js(
+        page,
         f"document.querySelectorAll('.message.assistant[data-finish-reason]').length === {num}",
         timeout=timeout_ms,
     )
@@ -107,9 +108,7 @@ def test_the_api_key_prompt_gates_both_pages_and_the_event_stream(
         assert not page.is_visible(marker)  # nothing shows behind the prompt
         page.fill("#api-key-input", "wrong-key")
         page.click("#key-submit")
-        page.wait_for_function(
-            "document.getElementById('key-error').textContent.includes('refused')"
-        )
+        wait_for_js(page, "document.getElementById('key-error').textContent.includes('refused')")
         assert page.evaluate("document.body.classList.contains('locked')")
         page.fill("#api-key-input", API_KEY)
         page.click("#key-submit")
@@ -153,7 +152,8 @@ def test_chat_streams_an_answer_and_stop_aborts_the_request(
     page.fill("#prompt", "Write a long story about a lighthouse keeper and the sea.")
     page.press("#prompt", "Enter")
     # The answer streams: text shows while the request is still running.
-    page.wait_for_function(
+    wait_for_js(
+        page,
         "(() => { const c = document.querySelectorAll('.message.assistant .content');"
         " const last = c[c.length - 1];"
         " return last.classList.contains('streaming') && last.textContent.length > 20; })()",
@@ -184,7 +184,7 @@ def test_sampling_fields_show_the_servers_defaults_and_send_only_typed_values(
     assert defaults["sampling"]["temperature"] == 0.2 and defaults["sampling"]["top_p"] == 0.9
     page, errors = _keyed_page(context, server, "/")
     bodies = _chat_bodies(page)
-    page.wait_for_function("document.body.dataset.defaults === 'loaded'")
+    wait_for_js(page, "document.body.dataset.defaults === 'loaded'")
     assert page.input_value("#temperature") == "" and page.input_value("#top-p") == ""
     assert page.get_attribute("#temperature", "placeholder") == "0.2"
     assert page.get_attribute("#top-p", "placeholder") == "0.9"
@@ -237,7 +237,7 @@ def test_engine_view_shows_the_batch_filling_and_the_kv_map_changing_in_a_burst(
     server: RunningServer, context: BrowserContext
 ) -> None:
     page, errors = _keyed_page(context, server, "/engine")
-    page.wait_for_function("Number(document.body.dataset.records || 0) >= 1")
+    wait_for_js(page, "Number(document.body.dataset.records || 0) >= 1")
     assert page.inner_text("#stat-running") == "0"
     page.fill("#burst-count", "12")
     page.fill("#burst-max-tokens", "16")
@@ -256,7 +256,7 @@ def test_engine_view_shows_the_batch_filling_and_the_kv_map_changing_in_a_burst(
         time.sleep(0.1)
     assert max(running_seen) >= 6  # the batch filled up (max_num_seqs 8, 12 requests)
     assert len(signatures) >= 3 and max(kv_used_seen) > 0  # blocks filled and freed live
-    page.wait_for_function("document.getElementById('stat-running').textContent === '0'")
+    wait_for_js(page, "document.getElementById('stat-running').textContent === '0'")
     assert page.inner_text("#stat-waiting") == "0"
     assert page.locator("#req-rows tr").count() == 0  # every block was given back
     assert page.inner_text("#ttft-0") != "–"  # percentiles from /metrics arrived

@@ -16,7 +16,7 @@ from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
 from infer8.entrypoints.console.snapshot import MAX_MAP_CELLS
 from infer8.entrypoints.openai.cli_args import ServerConfig
-from tests.utils import RunningServer, build_tiny_model, start_server, stop_server
+from tests.utils import RunningServer, build_tiny_model, start_server, stop_server, wait_for_js
 
 pytestmark = pytest.mark.browser
 
@@ -62,7 +62,7 @@ def test_a_large_cache_under_load_shows_used_blocks_rates_and_an_aggregated_map(
             f"const serverNow = Date.now; Date.now = () => serverNow() + {BROWSER_CLOCK_AHEAD_MS};"
         )
         page.goto(server.url + "/engine")
-        page.wait_for_function("Number(document.body.dataset.records || 0) >= 1")
+        wait_for_js(page, "Number(document.body.dataset.records || 0) >= 1")
         page.fill("#burst-count", "128")
         page.fill("#burst-max-tokens", "300")
         page.fill("#burst-prompt-words", "8")  # the tiny model's max_model_len is 512
@@ -91,7 +91,7 @@ def test_a_large_cache_under_load_shows_used_blocks_rates_and_an_aggregated_map(
         assert page.get_attribute("#kv-map", "data-cell-blocks") == str(cell_blocks)
         assert page.inner_text("#kv-cell-note").startswith(f"one cell = {cell_blocks} blocks")
         # Idle again: the rates read 0 at once, not the last busy figures.
-        page.wait_for_function("document.getElementById('stat-running').textContent === '0'")
+        wait_for_js(page, "document.getElementById('stat-running').textContent === '0'")
         assert page.inner_text("#stat-decode") == "0" and page.inner_text("#stat-step") == "–"
         assert errors == []
         browser.close()
