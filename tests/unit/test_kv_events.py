@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import zmq
 from infer8.config import EngineArgs, KVEventsConfig
 from infer8.core import kv_events as records
 from infer8.core.block_pool import BlockPool, hash_block_tokens
+from infer8.entrypoints.openai.cli_args import make_serve_parser, serve_args_from
 from infer8.kv_events import (
     END_SEQ,
     KVEventEncoder,
@@ -21,63 +23,14 @@ from infer8.kv_events import (
     ZmqEventPublisher,
     create_event_publisher,
 )
-
-
-# -- vLLM's schema, re-declared as a subscriber would (vllm/distributed/kv_events.py) ---------
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-DECODER = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-def apply(index: set[Any], events: list[Any]) -> None:
-    """Replay events (records or decoded wire events) into a set of cached hashes."""
-    for event in events:
-        if type(event).__name__ == "BlockStored":
-            index.update(event.block_hashes)
-        elif type(event).__name__ == "BlockRemoved":
-            index.difference_update(event.block_hashes)
-        else:
-            index.clear()
-
-
-def low64(block_hash: bytes) -> int:
-    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+from tests.vllm_kv_events import (
+    DECODER,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    apply,
+    low64,
+)
 
 
 # -- the block pool's records ----------------------------------------------------------------
@@ -203,6 +156,19 @@ def test_kv_events_config_parses_vllms_json() -> None:
         '{"enable_kv_cache_events": true, "publisher": "null"}'
     ).is_enabled
     assert isinstance(create_event_publisher(KVEventsConfig()), NullEventPublisher)
+
+
+def test_serve_takes_vllms_kv_events_flag() -> None:
+    line = (
+        "/models/m --kv-events-config "
+        '\'{"enable_kv_cache_events":true,"publisher":"zmq",'
+        '"endpoint":"tcp://epp.llm-d.svc:5557","topic":"kv@10.0.0.7@m"}\''
+    )
+    ns = make_serve_parser().parse_args(shlex.split(line))
+    engine_args, _ = serve_args_from(ns)
+    config = engine_args.create_kv_events_config()
+    assert config.is_enabled and config.endpoint == "tcp://epp.llm-d.svc:5557"
+    assert config.topic == "kv@10.0.0.7@m" and config.replay_endpoint is None
 
 
 @pytest.mark.parametrize(
