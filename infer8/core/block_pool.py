@@ -15,8 +15,7 @@ from infer8.core.kv_events import (
     KVCacheEvent,
 )
 
-# BlockHash: the sha256 digest of (parent block hash, this block's token ids, extra keys).
-__all__ = ["BlockHash", "BlockPool", "hash_block_tokens"]
+# BlockHash (bytes): the sha256 digest of (parent block hash, this block's token ids, extra keys).
 
 
 def hash_block_tokens(
