@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, fields
 
 import torch
@@ -220,6 +221,57 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """Publishing prefix-cache events (vLLM's KVEventsConfig: same fields, names, defaults)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq" or "null"; from_json resolves vLLM's unset default
+    endpoint: str = "tcp://*:5557"  # bound when it holds * or :: or is ipc/inproc, else connected
+    replay_endpoint: str | None = None  # a ROUTER socket that resends buffered batches
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark (messages beyond it are dropped)
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher not in ("null", "zmq"):
+            raise ValueError(f"kv-events publisher must be zmq or null, got {self.publisher!r}")
+        if not self.endpoint:
+            raise ValueError("kv-events endpoint must not be empty")
+        # hwm 0 is ZeroMQ's "no limit"; the buffers need room for one batch.
+        for name, least in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"kv-events {name} must be an integer >= {least}, got {value!r}")
+
+    @property
+    def is_enabled(self) -> bool:
+        """Return whether events are recorded and published."""
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parse `--kv-events-config` (a JSON object, as vLLM takes it); unknown keys fail."""
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-events-config is not valid JSON: {e}") from e
+        if not isinstance(values, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"--kv-events-config: unknown key(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        if values.get("publisher") is None:
+            # vLLM's default: zmq when events are enabled, else null.
+            values["publisher"] = "zmq" if values.get("enable_kv_cache_events") else "null"
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class EngineArgs:
     """The flat user-facing options (LLM(...) kwargs and CLI flags); one source of truth."""
 
@@ -248,6 +300,13 @@ class EngineArgs:
     override_generation_config: str | None = None
     quantization: str | None = None
     chat_template: str | None = None
+    kv_events_config: str | None = None
+
+    def create_kv_events_config(self) -> KVEventsConfig:
+        """Validate and return the KV events settings (off unless --kv-events-config enables)."""
+        if self.kv_events_config is None:
+            return KVEventsConfig()
+        return KVEventsConfig.from_json(self.kv_events_config)
 
     def create_parallel_config(self) -> ParallelConfig:
         """Validate and return the parallel layout (head counts are checked against the model)."""
@@ -256,6 +315,7 @@ class EngineArgs:
     def create_configs(self, model_path: str) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """Validate and split into the three configs (dtype auto is resolved by the loader)."""
         self.create_parallel_config()  # fails here, with the other values, when invalid
+        self.create_kv_events_config()
         if self.quantization not in (None, "fp8", "none"):
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported; infer8 quantizes weights "

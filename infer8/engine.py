@@ -13,11 +13,13 @@ import torch
 
 from infer8.config import EngineArgs
 from infer8.core.kv_cache_manager import KVCacheManager, cdiv
+from infer8.core.kv_events import AllBlocksCleared
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerStats
 from infer8.core.scheduler import Scheduler, SchedulerBase
 from infer8.core.static_scheduler import StaticScheduler
 from infer8.executor import Executor, create_executor
 from infer8.generation_config import sampling_defaults
+from infer8.kv_events import create_event_publisher
 from infer8.models.default_model import DEFAULT_MODEL_NAME
 from infer8.models.loader import read_hf_config, resolve_model_path
 from infer8.outputs import RequestOutput, RequestState, error_output
@@ -80,6 +82,12 @@ class LLMEngine:
         self.num_tail_rows = worker.num_tail_rows
         self.max_model_len = worker.max_model_len
         self.vocab_size = worker.model.config.vocab_size  # valid token ids are below it
+        self.kv_events_config = args.create_kv_events_config()
+        self.kv_event_publisher = create_event_publisher(self.kv_events_config)
+        if self.kv_events_config.is_enabled and (
+            not cache_config.enable_prefix_caching or scheduler_config.scheduler == "static"
+        ):
+            logger.warning("KV cache events are on but prefix caching is off: none will be sent")
         self.kv_cache_manager, self.scheduler = self._build_scheduler()
         # Grammars compile on first use (xgrammar loads lazily); rank 0's runner masks logits.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
@@ -114,6 +122,7 @@ class LLMEngine:
             self.num_blocks,
             self.cache_config.block_size,
             enable_caching=self.cache_config.enable_prefix_caching and not is_static,
+            enable_kv_cache_events=self.kv_events_config.is_enabled,
         )
         sched_cls = StaticScheduler if is_static else Scheduler
         max_num_seqs = self.scheduler_config.max_num_seqs
@@ -139,6 +148,9 @@ class LLMEngine:
         if not self.executor.can_reset:
             raise RuntimeError("a tensor-parallel engine cannot be reset in-process")
         self.kv_cache_manager, self.scheduler = self._build_scheduler()
+        if self.kv_events_config.is_enabled:
+            # The old pool's unsent events are moot: every cached block is gone.
+            self.kv_event_publisher.publish([AllBlocksCleared()], time.time())
         self.worker.reset()
         for req_id in self.req_states:
             self.structured_output.remove_request(req_id)
@@ -227,7 +239,19 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         """Drop every prefix-cached block that no running request holds; return how many."""
-        return self.kv_cache_manager.reset_prefix_cache()
+        num_dropped = self.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events()  # now: no step may follow soon
+        return num_dropped
+
+    def _publish_kv_events(self) -> None:
+        """Hand the prefix cache's events since the last call to the publisher, as one batch."""
+        events = self.kv_cache_manager.take_events()
+        if events:
+            self.kv_event_publisher.publish(events, time.time())
+
+    def shutdown(self) -> None:
+        """Stop the KV events publisher (its queued batches are sent first)."""
+        self.kv_event_publisher.shutdown()
 
     def _process_output(
         self, request: Request, new_ids: list[int], runner_out: ModelRunnerOutput
@@ -276,6 +300,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         runner_out = self.executor.execute_model(sched_out)
         outputs = self._fail_requests(runner_out.failed_req_ids)
+        self._publish_kv_events()
         progressed = self.scheduler.update_from_output(sched_out, runner_out)
         for request, new_ids in progressed:
             try:

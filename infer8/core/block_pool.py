@@ -7,8 +7,15 @@ import pickle
 from collections import OrderedDict
 from collections.abc import Sequence
 
-# sha256 digest of (parent block hash, this block's token ids, extra keys).
-BlockHash = bytes
+from infer8.core.kv_events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+
+# BlockHash (bytes): the sha256 digest of (parent block hash, this block's token ids, extra keys).
 
 
 def hash_block_tokens(
@@ -32,9 +39,13 @@ class BlockPool:
     prefix) it can still be reused by a later request (`touch`) until `allocate` pops it from
     the head of the queue and evicts it: blocks are freed to the tail, so eviction is
     least-recently-used. Cached-but-free blocks count as free: they are reclaimable at once.
+
+    With `enable_kv_cache_events`, every change to the set of cached hashes is recorded as a
+    plain event (BlockStored / BlockRemoved / AllBlocksCleared) until `take_events`; replaying
+    them in order rebuilds exactly `cached_block_hash_to_block`'s keys.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_kv_cache_events: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -43,6 +54,8 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, int] = {}
         # Insertion-ordered set: O(1) pop at the head, append at the tail, removal anywhere.
         self._free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,12 +89,16 @@ class BlockPool:
         """Take `num_blocks` blocks from the head of the free queue, evicting cached ones."""
         assert num_blocks <= len(self._free_block_ids), "allocating more blocks than are free"
         block_ids = []
+        evicted = []
         for _ in range(num_blocks):
             block_id, _ = self._free_block_ids.popitem(last=False)
             assert self.ref_cnts[block_id] == 0
-            self._evict(block_id)
+            if self.block_hashes[block_id] is not None:
+                evicted.append(self._evict(block_id))
             self.ref_cnts[block_id] = 1
             block_ids.append(block_id)
+        if self.enable_kv_cache_events and evicted:
+            self.kv_event_queue.append(BlockRemoved(block_hashes=evicted))
         return block_ids
 
     def touch(self, block_ids: Sequence[int]) -> None:
@@ -105,14 +122,22 @@ class BlockPool:
                 self._free_block_ids[block_id] = None
 
     def cache_full_blocks(
-        self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]
+        self,
+        block_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        parent_block_hash: BlockHash | None = None,
+        block_token_ids: Sequence[Sequence[int]] | None = None,
+        block_extra_keys: Sequence[tuple[object, ...] | None] | None = None,
     ) -> None:
         """Register full blocks under their prefix hashes so later requests can reuse them.
 
         A block already cached (a reused prefix) keeps its hash. A block whose hash another
         block already holds (the same prefix computed twice) stays private: one copy is enough.
+        The blocks are consecutive in one hash chain after `parent_block_hash`; with events on,
+        `block_token_ids` (and `block_extra_keys`) say what each block holds.
         """
-        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+        newly_cached = []
+        for i, (block_id, block_hash) in enumerate(zip(block_ids, block_hashes, strict=True)):
             assert self.ref_cnts[block_id] > 0, "only held blocks are cached"
             current = self.block_hashes[block_id]
             if current is not None:
@@ -122,6 +147,39 @@ class BlockPool:
                 continue
             self.block_hashes[block_id] = block_hash
             self.cached_block_hash_to_block[block_hash] = block_id
+            newly_cached.append(i)
+        if self.enable_kv_cache_events and newly_cached:
+            assert block_token_ids is not None, "events need the blocks' tokens"
+            self._record_stored(
+                newly_cached, block_hashes, parent_block_hash, block_token_ids, block_extra_keys
+            )
+
+    def _record_stored(
+        self,
+        indices: list[int],
+        block_hashes: Sequence[BlockHash],
+        parent_block_hash: BlockHash | None,
+        block_token_ids: Sequence[Sequence[int]],
+        block_extra_keys: Sequence[tuple[object, ...] | None] | None,
+    ) -> None:
+        """Record one BlockStored per run of consecutive newly cached blocks."""
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first = run[0]
+            self.kv_event_queue.append(
+                BlockStored(
+                    block_hashes=[block_hashes[i] for i in run],
+                    parent_block_hash=block_hashes[first - 1] if first else parent_block_hash,
+                    token_ids=[t for i in run for t in block_token_ids[i]],
+                    block_size=len(block_token_ids[first]),
+                    extra_keys=[block_extra_keys[i] if block_extra_keys else None for i in run],
+                )
+            )
 
     def reset_prefix_cache(self) -> int:
         """Forget the prefixes of every block nobody holds; return how many were dropped.
@@ -129,13 +187,23 @@ class BlockPool:
         Blocks held by running requests keep their hashes: their K/V are still being read.
         """
         dropped = [b for b in self._free_block_ids if self.block_hashes[b] is not None]
-        for block_id in dropped:
-            self._evict(block_id)
+        removed = [self._evict(block_id) for block_id in dropped]
+        if self.enable_kv_cache_events and removed:
+            if self.cached_block_hash_to_block:
+                self.kv_event_queue.append(BlockRemoved(block_hashes=removed))
+            else:
+                self.kv_event_queue.append(AllBlocksCleared())
         return len(dropped)
 
-    def _evict(self, block_id: int) -> None:
-        """Drop a block's prefix hash, if it has one."""
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return the events recorded since the last call, oldest first, and forget them."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    def _evict(self, block_id: int) -> BlockHash:
+        """Drop a cached block's prefix hash; return it."""
         block_hash = self.block_hashes[block_id]
-        if block_hash is not None:
-            del self.cached_block_hash_to_block[block_hash]
-            self.block_hashes[block_id] = None
+        assert block_hash is not None, f"block {block_id} is not cached"
+        del self.cached_block_hash_to_block[block_hash]
+        self.block_hashes[block_id] = None
+        return block_hash

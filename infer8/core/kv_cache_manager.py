@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from infer8.core.block_pool import BlockHash, BlockPool, hash_block_tokens
+from infer8.core.kv_events import KVCacheEvent
 from infer8.request import Request
 
 
@@ -22,10 +23,16 @@ class KVCacheManager:
     may already read them. `get_computed_blocks` finds a new request's longest cached prefix.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, enable_kv_cache_events and enable_caching)
         self.req_to_block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request's table are registered in the prefix cache.
         self.req_to_num_cached_blocks: dict[str, int] = {}
@@ -65,9 +72,10 @@ class KVCacheManager:
             bs = self.block_size
             for i in range(len(hashes), num_blocks):
                 parent = hashes[-1] if hashes else None
-                extra_keys = (request.cache_salt,) if i == 0 and request.cache_salt else None
                 hashes.append(
-                    hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], extra_keys)
+                    hash_block_tokens(
+                        parent, token_ids[i * bs : (i + 1) * bs], _extra_keys(request, i)
+                    )
                 )
         return hashes[:num_blocks]
 
@@ -128,8 +136,18 @@ class KVCacheManager:
             return
         block_ids = self.req_to_block_ids[request.request_id]
         hashes = self.block_hashes(request, num_full)
+        token_ids: list[list[int]] | None = None
+        extra_keys: list[tuple[object, ...] | None] | None = None
+        if self.block_pool.enable_kv_cache_events:
+            bs, all_ids = self.block_size, request.all_token_ids
+            token_ids = [all_ids[i * bs : (i + 1) * bs] for i in range(num_cached, num_full)]
+            extra_keys = [_extra_keys(request, i) for i in range(num_cached, num_full)]
         self.block_pool.cache_full_blocks(
-            block_ids[num_cached:num_full], hashes[num_cached:num_full]
+            block_ids[num_cached:num_full],
+            hashes[num_cached:num_full],
+            parent_block_hash=hashes[num_cached - 1] if num_cached else None,
+            block_token_ids=token_ids,
+            block_extra_keys=extra_keys,
         )
         self.req_to_num_cached_blocks[request.request_id] = num_full
 
@@ -147,3 +165,12 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Drop every cached block that no running request holds; return how many."""
         return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return the prefix cache's events since the last call (empty with events off)."""
+        return self.block_pool.take_events()
+
+
+def _extra_keys(request: Request, block_index: int) -> tuple[object, ...] | None:
+    """Return what a block's hash covers besides tokens: the cache_salt, in the first block."""
+    return (request.cache_salt,) if block_index == 0 and request.cache_salt else None

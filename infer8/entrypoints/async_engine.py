@@ -422,6 +422,7 @@ class AsyncLLMEngine:
         while True:
             try:
                 self._loop_until_stopped()
+                self.engine.shutdown()
                 return
             except BaseException as e:  # noqa: BLE001 - the thread must report every failure
                 logger.exception("the engine loop failed")

@@ -64,6 +64,9 @@ HELP: dict[str, str] = {
     "as they are)",
     "chat_template": "a Jinja chat template (file path or the template itself) replacing the "
     "model's",
+    "kv_events_config": "publish prefix-cache events over ZMQ as vLLM does, for KV-aware routers "
+    "(a JSON object of vLLM's KVEventsConfig), e.g. "
+    '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
 }
 
 

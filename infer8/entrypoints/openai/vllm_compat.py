@@ -247,6 +247,11 @@ NATIVE_FLAGS: tuple[tuple[str, str], ...] = (
     ("--enable-prefix-caching / --no-enable-prefix-caching", "on by default"),
     ("--max-num-seqs, --max-num-batched-tokens", "as in vLLM"),
     ("--tensor-parallel-size, -tp", "one process per device"),
+    (
+        "--kv-events-config",
+        "as in vLLM: prefix-cache events over ZMQ in vLLM's schema, with replay "
+        "(docs/deployment.md)",
+    ),
     ("--disable-fastapi-docs, --disable-uvicorn-access-log, --root-path", "as in vLLM"),
     ("--ssl-keyfile, --ssl-certfile", "HTTPS, as in vLLM"),
     (
