@@ -631,7 +631,7 @@ def test_seed_command_line_serves_and_sigterm_drains_in_flight(llama_dir: Path) 
         wait_healthy(proc, url, timeout_s=60)
         metrics = httpx.get(f"{url}/metrics").text
         assert 'cache_dtype="fp8_e4m3"' in metrics
-        body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        body = {"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
