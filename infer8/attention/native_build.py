@@ -1,5 +1,7 @@
-"""Building the native CPU kernels (csrc/*.c): once per source version, host and flags, with the
-system C compiler (gcc/cc, OpenMP), into the infer8 cache; cpu_native loads the result."""
+"""Building the native CPU kernels (csrc/*.c): once per source version, compiler, flags and CPU
+feature set, with the system C compiler (gcc/cc, OpenMP), into the infer8 cache; cpu_native loads
+the result. `-march=native` code for one CPU can be an illegal instruction on another, so a
+cache directory shared between hosts keeps one build per feature set."""
 
 from __future__ import annotations
 
@@ -34,18 +36,48 @@ def _cache_dir() -> Path:
     return cache_dir() / "native"
 
 
+def cpu_features() -> str:
+    """Return the CPU's feature flags (Linux: /proc/cpuinfo), sorted; the machine name elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):  # x86 / Arm
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def compiler_id(cc: str) -> str:
+    """Return the compiler's path and its version line."""
+    try:
+        result = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        version = result.stdout.splitlines()[0] if result.stdout else ""
+    except (OSError, subprocess.TimeoutExpired):
+        version = ""
+    return f"{cc} {version}"
+
+
+def build_tag(source: bytes, compiler: str, flags: tuple[str, ...], features: str) -> str:
+    """Return the name of a build: what is compiled, by which compiler, how, for which CPU."""
+    key = b"\0".join(
+        [source, compiler.encode(), " ".join(flags).encode(), features.encode(),
+         os.uname().machine.encode()]
+    )  # fmt: skip
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
 def build_library(out_dir: Path | None = None) -> Path:
-    """Compile the kernel (once per source version and host) and return the .so path."""
+    """Compile the kernels (once per source, compiler, flags and CPU) and return the .so path."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc/cc) found")
     source = b"".join(src.read_bytes() for src in (*_SOURCES, *_HEADERS))
-    tag = hashlib.sha256(source + os.uname().machine.encode() + " ".join(_FLAGS).encode())
-    tag = tag.hexdigest()[:16]
+    tag = build_tag(source, compiler_id(cc), _FLAGS, cpu_features())
     out_dir = out_dir or _cache_dir()
     lib = out_dir / f"fp8_gather-{tag}.so"
     if lib.is_file():
         return lib
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc/cc) found")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_lib = Path(tmp) / lib.name
