@@ -141,18 +141,10 @@ def health_under_big_prompts(url: str, duration_s: float = 10.0) -> dict[str, fl
     floods = [ctx.Process(target=_flood, args=(url, duration_s + 2.0)) for _ in range(4)]
     for p in floods:
         p.start()
-    time.sleep(2.0)
-    latencies = []
-    with httpx.Client(timeout=10) as client:
-        end = time.monotonic() + duration_s
-        while time.monotonic() < end:
-            start = time.perf_counter()
-            assert client.get(f"{url}/health").status_code == 200
-            latencies.append(time.perf_counter() - start)
-            time.sleep(0.02)
+    result = _poll_health(url, duration_s, start_after_s=2.0)
     for p in floods:
         p.join()
-    return percentiles(latencies)
+    return result
 
 
 async def _burst(host: str, port: int, num: int) -> tuple[list[float], dict[int, int]]:
@@ -232,6 +224,15 @@ def bare_server(port: int) -> subprocess.Popen[bytes]:
     raise RuntimeError("the bare server did not start")
 
 
+def _report(results: dict[str, object], out: str | None) -> None:
+    """Print the results (and write them to `out`), then exit at once."""
+    print(json.dumps(results, indent=2))
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=2)
+    os._exit(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -249,11 +250,7 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait()
-        print(json.dumps(results, indent=2))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=2)
-        os._exit(0)
+        _report(results, args.out)
     results: dict[str, object] = {"client_nice": args.client_nice}
     # Every server starts first, at this process's priority; then the load generators (this
     # process and the flood processes it spawns) drop to --client-nice.
@@ -282,11 +279,7 @@ def main() -> None:
         for proc in servers:
             proc.terminate()
             proc.wait()
-    print(json.dumps(results, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-    os._exit(0)
+    _report(results, args.out)
 
 
 if __name__ == "__main__":

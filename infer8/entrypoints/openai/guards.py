@@ -12,7 +12,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer8.entrypoints.async_engine import AsyncLLMEngine
-from infer8.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from infer8.entrypoints.openai.protocol import APIError
 
 # Paths that start work: refused at once (before parsing) when overloaded or draining.
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -42,8 +42,8 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     """Return OpenAI's error JSON with a status code."""
-    info = ErrorInfo(message=message, type=type_, param=param, code=code)
-    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code, headers=headers)
+    error = APIError(status_code, message, type_, param, code, headers)
+    return JSONResponse(error.to_response().model_dump(), status_code, headers=headers)
 
 
 def tenant_of(key: str) -> str:
