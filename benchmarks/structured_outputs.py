@@ -54,6 +54,19 @@ PERSON = {  # required fields, enums, arrays, a nested object, bounded strings a
     "required": ["name", "age", "job", "skills", "address"],
     "additionalProperties": False,
 }
+
+
+def without_bounds(schema: Any) -> Any:
+    """Return a schema without maxLength / maxItems / minimum / maximum (as a new user writes it)."""
+    if isinstance(schema, list):
+        return [without_bounds(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    bounds = ("maxLength", "maxItems", "minimum", "maximum")
+    return {k: without_bounds(v) for k, v in schema.items() if k not in bounds}
+
+
+PERSON_OPEN = without_bounds(PERSON)  # free-length strings and lists: outputs can run long
 TOOLS: list[Any] = [
     {
         "type": "function",
@@ -150,17 +163,34 @@ def validity(texts: list[str], schema: dict[str, Any]) -> tuple[float, float]:
     return parsed / len(texts), valid / len(texts)
 
 
+def longest_whitespace_run(text: str) -> int:
+    """Return the length of the longest run of JSON whitespace outside strings."""
+    longest = run = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            in_string = escaped or ch != '"'
+            escaped = not escaped and ch == "\\"
+            continue
+        in_string = ch == '"'
+        run = run + 1 if ch in " \t\n\r" else 0
+        longest = max(longest, run)
+    return longest
+
+
 def part_schema(engine: LLMEngine, n: int, max_tokens: int, only: str | None) -> dict[str, Any]:
     tok = engine.tokenizer
     prompts = [tok.encode_chat(person_prompt(i)) for i in range(n)]
     so = StructuredOutputsParams(json=PERSON)
     compact = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    open_so = StructuredOutputsParams(json=PERSON_OPEN)
     rows = {}
     for name, constraint, temperature in (
         ("unconstrained t=0", None, 0.0),
         ("json_schema t=0", so, 0.0),
         ("json_schema t=1.0", so, 1.0),
         ("json_schema compact t=1.0", compact, 1.0),
+        ("json_schema unbounded t=1.0", open_so, 1.0),
     ):
         if only and only not in name:
             continue
@@ -175,11 +205,18 @@ def part_schema(engine: LLMEngine, n: int, max_tokens: int, only: str | None) ->
         ]
         outs, elapsed = run(engine, prompts, params)
         print(f"{name}: {elapsed:.1f} s", file=sys.stderr, flush=True)
-        parsed, valid = validity([o.text for o in outs], PERSON)
+        schema = PERSON_OPEN if constraint is open_so else PERSON
+        parsed, valid = validity([o.text for o in outs], schema)
+        stopped = [o for o in outs if o.finish_reason == "stop"]
         rows[name] = {
             "parse_rate": parsed,
             "valid_rate": valid,
             "num_length_capped": sum(o.finish_reason == "length" for o in outs),
+            # of the outputs the grammar ended (not cut by max_tokens), how many validate
+            "stopped_valid_rate": validity([o.text for o in stopped], schema)[1]
+            if stopped
+            else 1.0,
+            "max_whitespace_run": max(longest_whitespace_run(o.text) for o in outs),
             "mean_output_tokens": sum(len(o.token_ids) for o in outs) / n,
             "elapsed_s": elapsed,
             "example": outs[0].text,

@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: "; the parser's message follows.
 _ERROR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
+# JSON grammars allow free whitespace between elements (vLLM's default), but at most this many
+# characters in a row: enough for "\n" plus 4-space indentation three levels deep, and the
+# bound that makes a schema with bounded strings and arrays a bounded output. Unbounded, a
+# sampled model can spend its max_tokens on whitespace (one token may hold 81 spaces).
+MAX_WHITESPACE_CHARS = 16
 
 
 @dataclass
@@ -86,14 +91,12 @@ class StructuredOutputManager:
     def _compile_uncached(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         compiler = self._get_compiler()
         kind = params.kind
-        if kind == "json":
-            schema: Any = params.json
+        if kind in ("json", "json_object"):
+            schema: Any = params.json if kind == "json" else {"type": "object"}
+            if params.disable_any_whitespace:
+                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
             return compiler.compile_json_schema(
-                json.dumps(schema), any_whitespace=not params.disable_any_whitespace
-            )
-        if kind == "json_object":
-            return compiler.compile_json_schema(
-                '{"type": "object"}', any_whitespace=not params.disable_any_whitespace
+                json.dumps(schema), any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE_CHARS
             )
         if kind == "regex":
             assert params.regex is not None

@@ -185,6 +185,34 @@ def test_tokenizer_info_of_the_default_models_gguf_tokenizer() -> None:
     assert not bad.accept_token(tok.encode("Paris", add_special_tokens=False)[0])
 
 
+def test_json_grammars_bound_whitespace_runs_on_the_default_tokenizer() -> None:
+    import xgrammar as xgr
+
+    from infer8.models.default_model import pull_default_model
+    from infer8.structured_output.manager import MAX_WHITESPACE_CHARS, StructuredOutputManager
+    from infer8.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(pull_default_model())
+    manager = StructuredOutputManager(tok, 49152)
+    value = {"c": "red", "ok": True, "s": [1, 2], "n": {"k": "a"}}
+    pretty = json.dumps(value, indent=4)  # deepest run: a newline and 8 spaces
+    longest = "{\n" + " " * (MAX_WHITESPACE_CHARS - 1)  # a run the bound allows
+
+    def accepts(so: StructuredOutputsParams, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(manager.compile(so))
+        ids = tok.encode(text, add_special_tokens=False)
+        return all(matcher.accept_token(i) for i in ids) and matcher.accept_token(2)
+
+    for so in (StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(json_object=True)):
+        assert accepts(so, json.dumps(value)) and accepts(so, pretty)
+        # A sampled model cannot spend its max_tokens on one run of whitespace.
+        assert accepts(so, pretty.replace("{\n    ", longest, 1))
+        assert not accepts(so, pretty.replace("{\n    ", longest + " ", 1))
+    compact = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    assert not accepts(compact, pretty)
+    assert accepts(compact, json.dumps(value))  # xgrammar's compact form: ", " and ": "
+
+
 def test_llm_chat_renders_tools_and_a_named_call_parses(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
