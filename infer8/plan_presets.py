@@ -179,11 +179,13 @@ class ModelShape:
         )
 
     def weight_bytes(self, weight_dtype: str) -> int:
-        """Return the bytes of all weights stored as `weight_dtype`."""
+        """Return the bytes of all weights stored as `weight_dtype` (the rotary tables too)."""
         linear = self.num_linear_params
-        rest_bytes = (self.num_params - linear) * BF16_BYTES
+        # cos and sin, head_dim / 2 each, for every position: buffers in the model's dtype
+        rope_bytes = self.max_position_embeddings * self.head_dim * BF16_BYTES
+        rest_bytes = (self.num_params - linear) * BF16_BYTES + rope_bytes
         if weight_dtype == "bf16":
-            return self.num_params * BF16_BYTES
+            return self.num_params * BF16_BYTES + rope_bytes
         if weight_dtype == "fp8":
             return linear + rest_bytes
         if weight_dtype == "int4":

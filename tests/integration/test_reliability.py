@@ -125,14 +125,16 @@ def test_a_request_failing_in_the_sampler_fails_alone(
 ) -> None:
     import infer8.worker.sampler as sampler_mod
 
-    real = sampler_mod._apply_penalties
+    real = sampler_mod.apply_penalties
 
-    def explode_for_penalty_3(row: torch.Tensor, state: Any, stop_ids: list[int]) -> None:
-        if state.params.repetition_penalty == 3.0:
+    def explode_for_penalty_3(
+        logits: torch.Tensor, rows: list[int], states: list[Any], stop_ids: list[list[int]]
+    ) -> dict[int, str]:
+        if any(states[i].params.repetition_penalty == 3.0 for i in rows):
             raise RuntimeError("injected")
-        real(row, state, stop_ids)
+        return real(logits, rows, states, stop_ids)
 
-    monkeypatch.setattr(sampler_mod, "_apply_penalties", explode_for_penalty_3)
+    monkeypatch.setattr(sampler_mod, "apply_penalties", explode_for_penalty_3)
     bad = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5, repetition_penalty=3.0))
     good = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0))
     outputs: dict[str, Any] = {}
@@ -171,14 +173,16 @@ def test_a_request_failing_alone_gets_500_and_the_others_complete(
 ) -> None:
     import infer8.worker.sampler as sampler_mod
 
-    real = sampler_mod._apply_penalties
+    real = sampler_mod.apply_penalties
 
-    def explode(row: torch.Tensor, state: Any, stop_ids: list[int]) -> None:
-        if state.params.repetition_penalty == 3.0:
+    def explode(
+        logits: torch.Tensor, rows: list[int], states: list[Any], stop_ids: list[list[int]]
+    ) -> dict[int, str]:
+        if any(states[i].params.repetition_penalty == 3.0 for i in rows):
             raise RuntimeError("injected /secret/path")
-        real(row, state, stop_ids)
+        return real(logits, rows, states, stop_ids)
 
-    monkeypatch.setattr(sampler_mod, "_apply_penalties", explode)
+    monkeypatch.setattr(sampler_mod, "apply_penalties", explode)
     bad = {"prompt": "hi", "max_tokens": 4, "repetition_penalty": 3.0}
     good = {"prompt": "hi", "max_tokens": 8, "ignore_eos": True, "stream": True}
     with ThreadPoolExecutor(2) as pool:

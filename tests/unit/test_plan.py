@@ -86,7 +86,8 @@ def test_kv_bytes_per_token_agree_with_the_engine_cache_spec() -> None:
 
 def test_qwen2_72b_bf16_does_not_fit_one_80gb_card() -> None:
     plan = plan_capacity(SEED)
-    assert QWEN72.weight_bytes("bf16") == 2 * 72_706_203_648
+    rope = 32768 * 128 * 2  # the rotary tables: cos and sin for every position, in bf16
+    assert QWEN72.weight_bytes("bf16") == 2 * 72_706_203_648 + rope
     assert 135 < plan.weight_bytes_per_device / GiB < 136
     assert not plan.fits
     assert plan.max_concurrent_sessions == 0 and plan.decode_tokens_per_s_bound is None
@@ -120,8 +121,9 @@ def test_tensor_parallel_size_must_split_or_replicate_kv_heads() -> None:
 def test_quantized_weight_bytes() -> None:
     linear = QWEN72.num_linear_params
     rest = QWEN72.num_params - linear  # embeddings, LM head, norms, biases stay bf16
-    assert QWEN72.weight_bytes("fp8") == linear + 2 * rest
-    assert QWEN72.weight_bytes("int4") == linear // 2 + 2 * (linear // 128) + 2 * rest
+    rope = 32768 * 128 * 2  # the rotary tables (bf16)
+    assert QWEN72.weight_bytes("fp8") == linear + 2 * rest + rope
+    assert QWEN72.weight_bytes("int4") == linear // 2 + 2 * (linear // 128) + 2 * rest + rope
     assert 70.0 < QWEN72.weight_bytes("fp8") / GiB < 70.1
 
 
@@ -143,7 +145,7 @@ def test_llama3_8b_plan_by_hand() -> None:
         activation_reserve_bytes=2 * GiB,
     )
     plan = plan_capacity(inputs)
-    weights = 8_030_261_248 * 2
+    weights = 8_030_261_248 * 2 + 8192 * 128 * 2  # parameters and rotary tables, bf16
     per_token = 32 * 8 * 128 * 2 * 2
     budget = int(0.9 * int(79.11 * GiB)) - weights - 2 * GiB
     num_blocks = budget // (per_token * 16)
