@@ -160,6 +160,24 @@ def test_backend_selection_refuses_what_no_backend_runs_at_start_up() -> None:
     assert type(ampere_tail).__name__ == "TorchRefAttention"
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_backend_selection_refuses_fp8_on_a_gpu_with_only_fnuz_fp8(
+    kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MI300X reports capability (9, 4): only its gfx name tells that its FP8 is fnuz
+    from infer8.attention import triton_paged
+
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match=r"this GPU \(gfx942, MI300.*use --kv-cache-dtype auto"):
+        select_backend(cuda, _spec(kv_dtype), capability=(9, 4), arch="gfx942:sramecc+:xnack-")
+    # a 16-bit cache there, and FP8 on MI350 (gfx950: OCP FP8), reach the kernels
+    monkeypatch.setattr(triton_paged, "TritonAttention", lambda device: "kernels")
+    assert (
+        select_backend(cuda, _spec(torch.bfloat16), capability=(9, 4), arch="gfx942") == "kernels"
+    )
+    assert select_backend(cuda, _spec(kv_dtype), capability=(9, 5), arch="gfx950") == "kernels"
+
+
 def test_the_profiled_step_runs_the_largest_batch_the_scheduler_can_hand_out(
     tmp_path: Path,
 ) -> None:
