@@ -35,6 +35,7 @@ misses its bound fails its section; the exit code is 1 on any failed, hung or sk
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import json
 import platform
@@ -232,6 +233,7 @@ def _time_decode(
 ) -> dict[str, Any]:
     """Time paged_decode_attention on one cache dtype; return the best config's numbers."""
     from infer8.attention import triton_paged
+    from infer8.attention.decode_roofline import decode_cost
     from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 
     head_dim, block_size = 128, 16
@@ -272,6 +274,20 @@ def _time_decode(
         "config": label,
         "kv_bytes": kv_bytes,
         "heuristic_splits": heuristic,
+        # the roofline model at the heuristic's splits (infer8/attention/decode_roofline.py)
+        "model_at_heuristic": dataclasses.asdict(
+            decode_cost(
+                batch,
+                num_kv_heads * group,
+                num_kv_heads,
+                head_dim,
+                context,
+                heuristic,
+                cache.k.element_size(),
+                cache.k_scale.element_size() if cache.k_scale is not None else 0,
+                rotated=rotated,
+            )
+        ),
         "first_config_heuristic_ms": default_ms,
         "all": timings,
     }
