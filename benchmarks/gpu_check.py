@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import gc
 import json
 import platform
 import statistics
@@ -109,8 +110,13 @@ def _fill_cache(cache: Any, seed: int) -> None:
             s.copy_((torch.rand(s.shape, generator=gen, device=s.device) * 0.04 + 0.01).to(s.dtype))
 
 
-def check_kernels(device: torch.device, max_context: int = 32768) -> dict[str, Any]:
-    """Compare write_kv and TritonAttention.forward with TorchRefAttention on the GPU."""
+def check_kernels(
+    device: torch.device, max_context: int = 32768, only: slice | None = None
+) -> dict[str, Any]:
+    """Compare write_kv and TritonAttention.forward with TorchRefAttention on the GPU.
+
+    only: a slice of the case list (a quick run under TRITON_INTERPRET=1 on CPU).
+    """
     from infer8.attention import triton_paged
     from infer8.attention.metadata import build_attention_metadata
     from infer8.attention.torch_ref import TorchRefAttention
@@ -128,6 +134,7 @@ def check_kernels(device: torch.device, max_context: int = 32768) -> dict[str, A
     cases += [(torch.float8_e4m3fn, 4, 128, s, 4) for s in ("head", "channel", "rotated")]
     cases += [(dt, 8, 128, "dynamic", kvh) for dt in cache_dtypes[::2] for kvh in (1, 2)]
     cases += [(torch.float8_e4m3fn, 8, 128, "rotated", kvh) for kvh in (1, 2)]
+    cases = cases[only] if only is not None else cases
     for cache_dtype, group, head_dim, static, num_kv_heads in cases:
         model_dtype = torch.float16 if cache_dtype == torch.float16 else torch.bfloat16
         # 12 decodes over 1..max_context tokens of context (the longest among them), 3 chunked
@@ -622,6 +629,7 @@ def main() -> int:
         finally:
             faulthandler.cancel_dump_traceback_later()
             _log(f"({name}: {time.perf_counter() - t0:.1f}s)")
+            gc.collect()  # engines in reference cycles give their device memory back
             torch.cuda.empty_cache()
             save()
 

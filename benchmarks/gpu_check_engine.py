@@ -7,6 +7,7 @@ checks the same code on CUDA. Every section collects its failures and raises the
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -246,6 +247,9 @@ def memory_split(
 
     model_dir = write_smoke_model(work_dir / "memory-model", **(config or MEMORY_CONFIG))
     is_cuda = device.type == "cuda"
+    gc.collect()  # earlier sections' engines (reference cycles) must not hold device memory
+    if is_cuda:
+        torch.cuda.empty_cache()
     llm = LLM(str(model_dir), device=device.type, gpu_memory_utilization=utilization,
               max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     worker = llm.engine.worker
@@ -308,6 +312,7 @@ def memory_split(
                 f"{utilization} x device + {MEMORY_SLACK_BYTES >> 20} MiB ({limit / 2**30:.2f} GiB)"
             )
     del llm, worker
+    gc.collect()  # the next section gets the device back
     return _raise_failures("memory split", out)
 
 
