@@ -300,6 +300,57 @@ def _time_decode(
     }
 
 
+def build_layer_decode(
+    device: torch.device, batch: int, context: int, kv_dtype: torch.dtype, exact_tail: bool,
+    num_kv_heads: int = 8, group: int = 4,
+) -> Callable[[], torch.Tensor]:  # fmt: skip
+    """Return one layer's decode attention as a step runs it: TritonAttention.forward.
+
+    exact_tail: the FP8 default (24-token exact tail, 4 sinks, rotated keys), so the call
+    includes the step's residuals, the tail-reading kernels and the ring write.
+    """
+    from infer8.attention import triton_paged
+    from infer8.attention.exact_tail import (
+        DEFAULT_EXACT_SINK_TOKENS,
+        DEFAULT_EXACT_TAIL_TOKENS,
+        build_tail_metadata,
+    )
+    from infer8.attention.metadata import build_attention_metadata
+    from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+    from infer8.worker.tail_seats import SinkSlots, TailRows
+
+    head_dim, block_size = 128, 16
+    window = DEFAULT_EXACT_TAIL_TOKENS if exact_tail else 0
+    sinks = DEFAULT_EXACT_SINK_TOKENS if exact_tail else 0
+    spec = KVCacheSpec(1, num_kv_heads, head_dim, block_size, kv_dtype, window, sinks,
+                       hadamard=exact_tail)  # fmt: skip
+    blocks_per_seq = -(-(context + 1) // block_size)
+    cache = allocate_kv_cache(spec, batch * blocks_per_seq, device, batch if window else 0)[0]
+    _fill_cache(cache, seed=3)
+    block_ids = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+    meta = build_attention_metadata([1] * batch, [context] * batch, block_ids, block_size, device)
+    if window:
+        rows, slots = TailRows(batch), SinkSlots(batch)
+        seats = [rows.row_for(str(i), 0) for i in range(batch)]  # exact from position 0
+        sink_slots = [slots.slot_for(str(i), b[0], s) for i, (b, (_, s)) in
+                      enumerate(zip(block_ids, seats))]  # fmt: skip
+        meta.tail = build_tail_metadata(
+            window, sinks, [r for r, _ in seats], [s for _, s in seats], sink_slots,
+            [1] * batch, [context] * batch, meta.decode_seq_ids,
+            meta.decode_block_tables.shape[1] * block_size, device,
+        )  # fmt: skip
+    backend = triton_paged.TritonAttention(device)
+    q = torch.randn(batch, num_kv_heads * group, head_dim, device=device, dtype=torch.bfloat16)
+    kv_new = torch.randn(2, batch, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+
+    def call() -> torch.Tensor:
+        return backend.forward(q, cache, meta, scale, kv_new[0], kv_new[1], out=out)
+
+    return call
+
+
 def decode_attention(
     device: torch.device, copy_gb_per_s: float, batch: int, context: int, sweep: bool
 ) -> dict[str, Any]:
@@ -340,6 +391,17 @@ def decode_attention(
         rows.append([label, f"{b} x {ctx}", f"{kvh * group}/{kvh}", r["config"], r["ms"],
                      r["kv_bytes"] / GB, r["gb_per_s"], pct])  # fmt: skip
         torch.cuda.empty_cache()
+    # one layer as a step runs it (forward: residuals, kernels, ring write), 8B shape
+    layer_ms = {}
+    for label, kv_dtype, tail in (
+        ("bf16", torch.bfloat16, False),
+        ("fp8", torch.float8_e4m3fn, False),
+        ("fp8 + tail + rotation", torch.float8_e4m3fn, True),
+    ):
+        layer_ms[label] = _time_ms(build_layer_decode(device, batch, context, kv_dtype, tail))
+        torch.cuda.empty_cache()
+    _log(f"\none layer's decode forward, batch {batch} x {context}: "
+         + ", ".join(f"{k} {v:.3f} ms" for k, v in layer_ms.items()))  # fmt: skip
     speedup = results["bf16"]["ms"] / results["fp8"]["ms"]
     pct = min(results[k]["gb_per_s"] for k in ("bf16", "fp8")) / copy_gb_per_s
     rotation_cost = {
@@ -347,6 +409,7 @@ def decode_attention(
         "72B/TP8 rotated fp8 vs bf16": results["72B/TP8 fp8 rotated"]["ms"]
         / results["72B/TP8 bf16"]["ms"],
         "32K rotated fp8 vs bf16": results["32K fp8 rotated"]["ms"] / results["32K bf16"]["ms"],
+        "layer forward, fp8 default vs bf16": layer_ms["fp8 + tail + rotation"] / layer_ms["bf16"],
     }
     _log("\n## Decode attention (d 128; heads q/KV)\n")
     _log(_table(["cache", "batch x context", "heads", "best config", "ms", "KV GB read", "GB/s",
@@ -361,7 +424,8 @@ def decode_attention(
     if rotation_cost["8B shape"] > ROTATION_MAX_OVERHEAD:
         failures.append(f"rotated keys make fp8 decode {rotation_cost['8B shape']:.2f}x slower "
                         f"(bound {ROTATION_MAX_OVERHEAD}x)")  # fmt: skip
-    for name in ("72B/TP8 rotated fp8 vs bf16", "32K rotated fp8 vs bf16"):
+    for name in ("72B/TP8 rotated fp8 vs bf16", "32K rotated fp8 vs bf16",
+                 "layer forward, fp8 default vs bf16"):  # fmt: skip
         if rotation_cost[name] >= 1.0:
             failures.append(f"{name}: the FP8 default is not faster than bf16 "
                             f"({rotation_cost[name]:.2f}x its time)")  # fmt: skip
@@ -371,6 +435,7 @@ def decode_attention(
         "by_shape": results,
         "fp8_speedup": speedup,
         "rotation_time_ratios": rotation_cost,
+        "layer_forward_ms": layer_ms,
         "meets_bandwidth_target": pct >= 0.7,
         "meets_speedup_target": speedup >= 1.7,
         "failures": failures,
