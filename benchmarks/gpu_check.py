@@ -327,6 +327,8 @@ def build_layer_decode(
     blocks_per_seq = -(-(context + 1) // block_size)
     cache = allocate_kv_cache(spec, batch * blocks_per_seq, device, batch if window else 0)[0]
     _fill_cache(cache, seed=3)
+    for t in cache.kv_tail or ():  # residuals of 0 (empty memory could hold NaN bit patterns)
+        t.zero_()
     block_ids = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     meta = build_attention_metadata([1] * batch, [context] * batch, block_ids, block_size, device)
     if window:

@@ -27,4 +27,6 @@ def test_the_timed_layer_forward_attends_with_the_fp8_default(exact_tail: bool) 
     call = gpu_check.build_layer_decode(DEVICE, 2, 40, dtype, exact_tail, num_kv_heads=2, group=2)
     out = call().clone()
     assert out.shape == (2, 4, 128) and torch.isfinite(out).all() and out.abs().sum() > 0
-    assert torch.equal(call(), out)  # a timed call repeats the same work
+    again = call()  # a timed call repeats the work; with a tail its ring write lands in a slot
+    # the next call's window reads (a step repeated at one position), hence only close
+    torch.testing.assert_close(again, out, atol=0 if not exact_tail else 0.05, rtol=0)
