@@ -16,6 +16,17 @@ logger = logging.getLogger(__name__)
 # Triton's float8e4nv (E4M3) needs Ada or Hopper; E5M2 and 16-bit caches run on Ampere too.
 MIN_CAPABILITY_FP8_E4M3 = (8, 9)
 MIN_CAPABILITY_TRITON = (8, 0)
+# ROCm GPUs whose FP8 is only the fnuz variant (float8_e4m3fnuz / e5m2fnuz: no negative zero,
+# another bias), which infer8's kernels and scales do not read: MI300A/X (gfx942) and its
+# predecessors. They report capability (9, 4), so the checks above would let them through.
+FNUZ_ONLY_ARCHS = ("gfx940", "gfx941", "gfx942")
+
+
+def device_arch(device: torch.device) -> str:
+    """Return a ROCm device's gfx architecture ("gfx942:sramecc+:xnack-"), "" elsewhere."""
+    if device.type != "cuda" or torch.version.hip is None:
+        return ""
+    return str(getattr(torch.cuda.get_device_properties(device), "gcnArchName", ""))
 
 
 def tail_kernels_available(device: torch.device, capability: tuple[int, int] | None = None) -> bool:
@@ -35,6 +46,7 @@ def select_backend(
     kv_spec: KVCacheSpec,
     enforce_eager: bool = False,
     capability: tuple[int, int] | None = None,
+    arch: str | None = None,
 ) -> AttentionBackend:
     """Return the attention backend for this device and cache, or refuse with one clear line.
 
@@ -43,7 +55,9 @@ def select_backend(
     - CUDA: the Triton paged kernels, exact tail and rotated keys included (triton_tail.py);
       before sm_89 (no E4M3 for the tail's residuals) a cache with a tail or rotated keys
       uses the reference backend on the GPU, logged once.
-    Raises ValueError for a combination no backend runs (an E4M3 cache before sm_89).
+    Raises ValueError for a combination no backend runs (an E4M3 cache before sm_89, an FP8
+    cache on a ROCm GPU with only fnuz FP8). `capability` and `arch` (ROCm's gfx name) are
+    read from the device when not given.
     """
     from infer8.attention.torch_ref import TorchRefAttention
 
@@ -52,6 +66,15 @@ def select_backend(
     if capability is None:
         capability = torch.cuda.get_device_capability(device)
     name = f"sm_{capability[0]}{capability[1]}"
+    if arch is None:
+        arch = device_arch(device)
+    if kv_spec.is_fp8 and arch.split(":")[0] in FNUZ_ONLY_ARCHS:
+        raise ValueError(
+            f"--kv-cache-dtype {'fp8_e4m3' if kv_spec.dtype == torch.float8_e4m3fn else 'fp8_e5m2'}"
+            f" needs OCP FP8 (float8_e4m3fn / float8_e5m2); this GPU ({arch.split(':')[0]}, "
+            f"MI300-class) has only float8_e4m3fnuz, which infer8's kernels do not read: use "
+            f"--kv-cache-dtype auto"
+        )
     if capability < MIN_CAPABILITY_TRITON:
         raise ValueError(
             f"this GPU ({name}) is older than Ampere (sm_80); infer8's CUDA kernels need sm_80+"

@@ -140,7 +140,8 @@ def decode_kernel(
     log-sum-exp (base 2) for reduce_kernel. How a context is split depends only on its own
     length and the grid's split count, never on the batch: eager steps and CUDA-graph replays
     of any bucket compute the same numbers. HAS_TAIL: an FP8 cache's exact tail (triton_tail.py)
-    corrects the scores and output at its positions; ROTATE: q is rotated in and the output
+    corrects the scores and output at its positions; ROTATE (DIRECT only: a split grid gets q
+    rotated once per token and rotates after the reduce): q is rotated in and the output
     rotated back (Hadamard-rotated keys and values).
     """
     b = tl.program_id(0)
@@ -220,7 +221,7 @@ def decode_kernel(
         static_off = kv_head * stride_static_h + offs_d * stride_static_d
         acc = acc * tl.load(v_static_ptr + static_off, mask=mask_d, other=0.0)[None, :]
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty sequence (padding) gives zeros
-    if ROTATE:  # H is its own inverse; rotating each split's partial rotates their sum
+    if ROTATE:  # H is its own inverse (with several splits the launcher rotates instead)
         out = rotate_rows(out, rot_ptr, head_dim, BLOCK_D)
     mask_out = mask_g[:, None] & mask_d[None, :]
     if DIRECT:

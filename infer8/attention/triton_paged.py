@@ -206,9 +206,12 @@ def paged_decode_attention(
     """Attend one query token per sequence over its cached context, GQA-aware.
 
     q, out: [num_tokens, num_heads, head_dim]; sequence b reads q[token_idx[b]] and writes
-    out[token_idx[b]]. seq_lens: [B] int32 (0: padding, gets zeros); block_tables:
-    [B, max_blocks]. Each context is cut into at most num_splits splits (flash-decoding).
-    tail: the exact tail's step tables and this step's residuals (triton_tail.py).
+    out[token_idx[b]] (distinct rows). seq_lens: [B] int32 (0: padding, gets zeros);
+    block_tables: [B, max_blocks]. Each context is cut into at most num_splits splits
+    (flash-decoding). tail: the exact tail's step tables and this step's residuals
+    (triton_tail.py). Rotated keys: with one split the program rotates q and its output; with
+    several, q is rotated once per token before the kernel and the output once after the
+    reduce (rotating in every split program would cost num_splits times the work).
     """
     config = config or KernelConfig()
     num_seqs = seq_lens.shape[0]
@@ -222,6 +225,13 @@ def paged_decode_attention(
     block_n = config.decode_block_n
     min_split = config.decode_min_split_tokens
     direct = num_splits == 1
+    rotation = cache.k_rotation
+    rotate_outside = rotation is not None and not direct
+    if rotate_outside:  # the decode rows only: a mixed step's prefill rows are not read here
+        assert rotation is not None
+        rotated_q = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+        rotated_q[token_idx] = rotate(q[token_idx], rotation)
+        q = rotated_q
     block_d = max(16, triton.next_power_of_2(head_dim))
     if direct:
         mid_out = mid_lse = out  # unused
@@ -250,19 +260,28 @@ def paged_decode_attention(
         DIRECT=direct,
         PRECISION=_precision(q.dtype),
         HAS_TAIL=tail is not None,
-        ROTATE=cache.k_rotation is not None,
+        ROTATE=rotation is not None and direct,
         DOT_DTYPE=_dot_dtype(q.dtype),
         num_warps=config.decode_num_warps,
         num_stages=config.decode_num_stages,
     )  # fmt: skip
     if not direct:
+        # rotated keys: the combined output stays float32 until it is rotated (one rounding)
+        reduced, reduced_idx = out, token_idx
+        if rotate_outside:
+            reduced = torch.empty((num_seqs, num_heads, head_dim), dtype=torch.float32,
+                                  device=q.device)  # fmt: skip
+            reduced_idx = torch.arange(num_seqs, device=q.device)
         reduce_kernel[(num_seqs, num_heads)](
-            mid_out, mid_lse, out, token_idx, seq_lens, *mid_strides,
-            out.stride(0), out.stride(1), head_dim, num_splits, min_split,
+            mid_out, mid_lse, reduced, reduced_idx, seq_lens, *mid_strides,
+            reduced.stride(0), reduced.stride(1), head_dim, num_splits, min_split,
             BLOCK_N=block_n,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
         )  # fmt: skip
+        if rotate_outside:
+            assert rotation is not None
+            out[token_idx] = (reduced @ rotation).to(out.dtype)
 
 
 def paged_prefill_attention(

@@ -179,32 +179,46 @@ def test_padded_bucket_decode_equals_unpadded_and_writes_nothing_else(
         assert any(not torch.equal(a, b) for a, b in zip(after, before))
 
 
+# bf16 logits of two runs whose matmuls may round differently: norm-wise and element-wise
+# bounds (relative to the largest logit), a few bf16 roundings through the tiny model's layers
+LOGIT_REL_TOL = {torch.bfloat16: 2e-2, torch.float8_e4m3fn: 4e-2}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
-def test_graph_replay_greedy_tokens_equal_eager(llama_dir: Path, kv_dtype: torch.dtype) -> None:
+def test_graph_replay_logits_equal_eager_within_bf16_rounding(
+    llama_dir: Path, kv_dtype: torch.dtype
+) -> None:
+    """3 rows replayed in the 4-row bucket against 3-row eager steps, fed the same tokens.
+
+    cuBLAS may pick other kernels for 4 rows than for 3, so bf16 logits agree to rounding, not
+    bit for bit: the bound is on the logits (comparing greedy tokens would fail on near ties).
+    Both runs go on from eager's tokens.
+    """
     prompts = [[3, 9, 27, 81, 11], list(range(5, 24)), list(range(40, 73))]
-    outputs = []
-    for use_graph in (False, True):
-        model, backend, caches = _setup(llama_dir, torch.bfloat16, kv_dtype)
-        block_ids = _prefill(model, caches, prompts)
-        runner = cuda_graphs.CUDAGraphDecodeRunner(model, caches, backend, BLOCK_SIZE, 256, 8)
-        if use_graph:
-            runner.capture()
-        lens = [len(p) for p in prompts]
-        tokens = torch.tensor([1, 2, 3], device=DEVICE)
-        generated = []
-        for _ in range(6):
+    eager_model, _, eager_caches = _setup(llama_dir, torch.bfloat16, kv_dtype)
+    model, backend, caches = _setup(llama_dir, torch.bfloat16, kv_dtype)
+    block_ids = _prefill(eager_model, eager_caches, prompts)
+    assert _prefill(model, caches, prompts) == block_ids
+    runner = cuda_graphs.CUDAGraphDecodeRunner(model, caches, backend, BLOCK_SIZE, 256, 8)
+    runner.capture()
+    assert cuda_graphs.bucket_for(3, runner.buckets) == 4  # the replay pads a row
+    lens = [len(p) for p in prompts]
+    tokens = torch.tensor([1, 2, 3], device=DEVICE)
+    tol = LOGIT_REL_TOL[kv_dtype]
+    for _ in range(6):
+        positions = torch.tensor(lens, device=DEVICE)
+        with torch.inference_mode():
             meta = build_attention_metadata([1] * 3, lens, block_ids, BLOCK_SIZE, DEVICE)
-            positions = torch.tensor(lens, device=DEVICE)
-            with torch.inference_mode():
-                hidden = (
-                    runner.run(tokens, positions, meta)
-                    if use_graph
-                    else model(tokens, positions, meta, caches)
-                )
-                tokens = model.compute_logits(hidden).argmax(-1)
-            generated.append(tokens.tolist())
-            lens = [n + 1 for n in lens]
-        outputs.append(generated)
-    assert outputs[0] == outputs[1]
+            want = eager_model.compute_logits(eager_model(tokens, positions, meta, eager_caches))
+            meta = build_attention_metadata([1] * 3, lens, block_ids, BLOCK_SIZE, DEVICE)
+            got = model.compute_logits(runner.run(tokens, positions, meta))
+        want, got = want.float(), got.float()
+        scale = want.abs().max()
+        assert torch.isfinite(got).all() and (got - want).norm() <= tol * want.norm()
+        # element-wise too: so greedy tokens agree wherever eager's top-2 margin is wider
+        # than 4 * tol * scale
+        assert (got - want).abs().max() <= 2 * tol * scale
+        tokens = want.argmax(-1)
+        lens = [n + 1 for n in lens]

@@ -228,6 +228,43 @@ def test_split_decode_and_static_scales_match_reference(static: str) -> None:
     _check_close(out, want, torch.bfloat16)
 
 
+def test_split_decode_rotates_once_per_token_not_in_every_split_program(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rotated keys: one split rotates in its program; several rotate q before the kernel and
+    the output after the reduce (docs/benchmarks.md's roofline), with the same results."""
+    torch.manual_seed(3)
+    num_kv_heads, group, head_dim = 2, 3, 64
+    spec = KVCacheSpec(1, num_kv_heads, head_dim, BLOCK_SIZE, torch.float8_e4m3fn, hadamard=True)
+    cache = allocate_kv_cache(spec, 24, DEVICE)[0]
+    meta, _ = _mixed_batch(num_kv_heads, head_dim, cache, seed=7)
+    q = torch.randn(meta.num_real_tokens, num_kv_heads * group, head_dim, device=DEVICE)
+    q = q.to(torch.bfloat16)
+    want = TorchRefAttention().forward(q, cache, meta, head_dim**-0.5)
+    kernel, launches = triton_paged.decode_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
+                launches.append((grid[2], kwargs["ROTATE"]))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_paged, "decode_kernel", Recorder())
+    config = triton_paged.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
+    step = triton_paged.TritonAttention(DEVICE, config).prepare(meta)
+    dec = meta.decode_token_ids
+    for num_splits in (1, 4):
+        out = torch.full_like(q, float("nan"))
+        triton_paged.paged_decode_attention(
+            q, cache, out, step.decode_token_ids, step.decode_seq_lens,
+            step.decode_block_tables, head_dim**-0.5, num_splits, config,
+        )  # fmt: skip
+        _check_close(out[dec], want[dec], torch.bfloat16)
+    assert launches == [(1, True), (4, False)]
+
+
 def test_decode_output_of_a_sequence_does_not_depend_on_the_batch() -> None:
     """Batch invariance: what CUDA-graph padding and eager steps rely on to agree."""
     torch.manual_seed(2)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -159,6 +160,24 @@ def test_backend_selection_refuses_what_no_backend_runs_at_start_up() -> None:
     assert type(ampere_tail).__name__ == "TorchRefAttention"
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_backend_selection_refuses_fp8_on_a_gpu_with_only_fnuz_fp8(
+    kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MI300X reports capability (9, 4): only its gfx name tells that its FP8 is fnuz
+    from infer8.attention import triton_paged
+
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match=r"this GPU \(gfx942, MI300.*use --kv-cache-dtype auto"):
+        select_backend(cuda, _spec(kv_dtype), capability=(9, 4), arch="gfx942:sramecc+:xnack-")
+    # a 16-bit cache there, and FP8 on MI350 (gfx950: OCP FP8), reach the kernels
+    monkeypatch.setattr(triton_paged, "TritonAttention", lambda device: "kernels")
+    assert (
+        select_backend(cuda, _spec(torch.bfloat16), capability=(9, 4), arch="gfx942") == "kernels"
+    )
+    assert select_backend(cuda, _spec(kv_dtype), capability=(9, 5), arch="gfx950") == "kernels"
+
+
 def test_the_profiled_step_runs_the_largest_batch_the_scheduler_can_hand_out(
     tmp_path: Path,
 ) -> None:
@@ -306,15 +325,72 @@ def test_memory_report_names_every_deduction() -> None:
         plan_kv_memory(80 * GiB, 0.5, 30 * GiB, 2 * GiB, GiB, False, other_bytes=9 * GiB)
 
 
-def test_the_gpu_checks_engine_smoke_runs_and_checks_on_cpu(tmp_path: Path) -> None:
-    # benchmarks/gpu_check.py's engine section, run here so the first GPU hour is not its test
+def _gpu_check_module() -> Any:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu_check.py")
     assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    out = gpu_check.engine_smoke(torch.device("cpu"), tmp_path)
+    return gpu_check
+
+
+def test_the_gpu_checks_engine_smoke_runs_and_checks_on_cpu(tmp_path: Path) -> None:
+    # benchmarks/gpu_check.py's engine section, run here so the first GPU hour is not its test
+    out = _gpu_check_module().engine_smoke(torch.device("cpu"), tmp_path)
     assert out["failures"] == [] and out["eager_fp32_matches_cpu_reference"] is True
     assert out["prefix_cache_hit_tokens"] >= 144  # nine full 16-token blocks of 160 tokens
-    assert 0.0 <= out["fp8_kv_token_agreement_with_bf16"] <= 1.0
+    assert out["fp8_uses_tail_and_rotation"] is True
+
+
+def test_the_gpu_checks_fp8_agreement_bounds_hold_on_cpu(tmp_path: Path) -> None:
+    out = _gpu_check_module().fp8_agreement(torch.device("cpu"), tmp_path)
+    assert out["fp8_linear_layers"] == 4 * 4  # qkv, o, gate_up, down in each of 4 layers
+    for name in ("fp8 cache, tail + rotation", "fp8 cache, no tail", "fp8 weights"):
+        assert 0.0 < out[name]["kl_mean"] and out[name]["top1_agreement"] < 1.0  # not bf16 again
+
+
+def test_the_gpu_checks_fp8_agreement_fails_past_its_bounds() -> None:
+    fails = _gpu_check_module().agreement_failure
+    ok = {"kl_mean": 1e-3, "top1_agreement": 0.9}
+    assert fails("x", ok, 0.01, 0.85) is None
+    assert "KL 2.00e-02" in str(fails("x", {**ok, "kl_mean": 0.02}, 0.01, 0.85))
+    assert fails("x", {**ok, "top1_agreement": 0.8}, 0.01, 0.85) is not None
+    assert fails("x", {**ok, "kl_mean": float("nan")}, 0.01, 0.85) is not None
+
+
+def test_the_gpu_checks_memory_split_reports_every_part_on_cpu(tmp_path: Path) -> None:
+    out = _gpu_check_module().memory_split(
+        torch.device("cpu"), tmp_path, max_num_seqs=4, max_position_embeddings=256
+    )
+    assert out["failures"] == [] and out["source"] == "need"  # 4 x 256 tokens is all it needs
+    assert out["num_blocks"] * 16 >= 256 and out["max_model_len"] == 256
+    assert 0 < out["kv_allocated_gib"] <= out["kv_budget_gib"] and out["weights_gib"] > 0
+    assert "KV cache" in out["report"] and "2 x 240" in out["workload"]
+
+
+def test_the_gpu_checks_sampling_checks_hold_on_cpu() -> None:
+    out = _gpu_check_module().sampling(torch.device("cpu"))
+    assert out["seeds_reproduce"] is True and out["failures"] == []
+    assert out["temperature_1_distinct_tokens"] >= 2
+    # repetition: outputs 0, 1 and prompt 1, 2, 3 halved, so 4 (7.0) leads; presence and
+    # frequency count outputs only: 0 drops below 1 (8.6)
+    assert out["penalised_greedy_tokens"] == [4, 1, 1]
+
+
+def test_the_gpu_checks_sampling_catches_a_support_violation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpu_check = _gpu_check_module()
+    from infer8.worker import sampler
+
+    real = sampler.Sampler.__call__
+
+    def ignore_top_k(self, logits, states, eos_token_ids=()):  # type: ignore[no-untyped-def]
+        for s in states:  # a sampler that drops top-k must fail the support check
+            s.params.top_k = 0
+        return real(self, logits, states, eos_token_ids)
+
+    monkeypatch.setattr(sampler.Sampler, "__call__", ignore_top_k)
+    with pytest.raises(AssertionError, match="outside its support"):
+        gpu_check.sampling(torch.device("cpu"))
