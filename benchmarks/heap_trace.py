@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import tracemalloc
+import weakref
 from pathlib import Path
 
 import uvicorn
@@ -68,7 +69,14 @@ def rss_mb() -> float:
 
 
 def type_counts() -> collections.Counter[str]:
-    return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+    """Count live gc-tracked objects by type, and weak references by what they point to."""
+    counts: collections.Counter[str] = collections.Counter()
+    for o in gc.get_objects():
+        counts[type(o).__qualname__] += 1
+        if issubclass(type(o), weakref.ref):  # type(), not isinstance: no lazy __class__
+            callback = getattr(o.__callback__, "__qualname__", None)
+            counts[f"weakref to {type(o()).__qualname__} (callback {callback})"] += 1
+    return counts
 
 
 def main() -> None:

@@ -58,6 +58,32 @@ def rss_slope_mb_per_min(samples: list[dict[str, float]]) -> float | None:
     return num / den if den > 0 else None
 
 
+def plot_rss(samples: list[dict[str, float]], path: str) -> None:
+    """Plot RSS over the run, with the least-squares line of its last half."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot([s["t_s"] / 60 for s in samples], [s["rss_mb"] for s in samples], label="RSS")
+    slope = rss_slope_mb_per_min(samples)
+    if slope is not None:
+        half = [s for s in samples if s["t_s"] >= samples[-1]["t_s"] / 2]
+        mean_t = sum(s["t_s"] / 60 for s in half) / len(half)
+        mean_rss = sum(s["rss_mb"] for s in half) / len(half)
+        ends = [half[0]["t_s"] / 60, half[-1]["t_s"] / 60]
+        fit = [mean_rss + slope * (t - mean_t) for t in ends]
+        ax.plot(ends, fit, "--", label=f"last half: {slope:+.2f} MB/min")
+        ax.legend(loc="lower right")
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("server RSS (MB)")
+    ax.set_title("infer8 serve under mixed load (soak)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def metric(text: str, name: str) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
@@ -219,19 +245,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     if args.plot and samples:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        ax.plot([s["t_s"] / 60 for s in samples], [s["rss_mb"] for s in samples])
-        ax.set_xlabel("minutes")
-        ax.set_ylabel("server RSS (MB)")
-        ax.set_title("infer8 serve under mixed load (soak)")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        plot_rss(samples, args.plot)
     slope = result["rss_slope_last_half_mb_per_min"]
     if slope is not None and slope > args.max_rss_slope_mb_per_min:
         print(
