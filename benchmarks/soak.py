@@ -75,7 +75,7 @@ def plot_rss(samples: list[dict[str, float]], path: str) -> None:
         ends = [half[0]["t_s"] / 60, half[-1]["t_s"] / 60]
         fit = [mean_rss + slope * (t - mean_t) for t in ends]
         ax.plot(ends, fit, "--", label=f"last half: {slope:+.2f} MB/min")
-        ax.legend(loc="lower right")
+        ax.legend(loc="best")
     ax.set_xlabel("minutes")
     ax.set_ylabel("server RSS (MB)")
     ax.set_title("infer8 serve under mixed load (soak)")
