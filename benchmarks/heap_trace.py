@@ -7,6 +7,8 @@ heap grow while tracemalloc stays flat). Every --every-s: RSS, tracemalloc's tra
 glibc's mallinfo2 (bytes in use vs free in the heap), object counts by type, and the top
 allocation sites that grew since the first snapshot (taken after a warm-up). Serve flags default
 to the soak's: a 256 MiB KV cache, --max-num-seqs 16, --max-waiting-requests 32.
+A script's own folder, not the working directory, comes first on sys.path: where infer8 is
+installed from another checkout, run it with PYTHONPATH=. to trace this one.
 """
 
 from __future__ import annotations
