@@ -5,8 +5,12 @@
 Clients (in this process, not the server's) send random prompts (10-400 tokens) for 1-200 output
 tokens, streaming or not; 20% are cancelled part way; every 60 s a burst of 100 requests
 overflows --max-waiting-requests. RSS of the server process and /metrics are sampled every 10 s.
-At the end: failed requests other than the intended 503s, KV blocks still held, and how flat
-RSS stayed after warm-up (the first quarter of the run).
+At the end: failed requests other than the intended 503s, KV blocks still held, how flat RSS
+stayed after warm-up (the first quarter of the run), and the RSS slope over the last half (least
+squares, MB/min). Exits 1 when that slope is over --max-rss-slope-mb-per-min.
+
+With --url and --server-pid it loads a server that is already running (one started with
+`--max-waiting-requests 32`) instead of starting `infer8 serve`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,47 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def rss_slope_mb_per_min(samples: list[dict[str, float]]) -> float | None:
+    """Return the least-squares slope of RSS over the last half of the samples, in MB/min."""
+    if not samples:
+        return None
+    half_s = samples[-1]["t_s"] / 2
+    points = [(s["t_s"] / 60, s["rss_mb"]) for s in samples if s["t_s"] >= half_s]
+    if len(points) < 2:
+        return None
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_rss = sum(r for _, r in points) / len(points)
+    num = sum((t - mean_t) * (r - mean_rss) for t, r in points)
+    den = sum((t - mean_t) ** 2 for t, _ in points)
+    return num / den if den > 0 else None
+
+
+def plot_rss(samples: list[dict[str, float]], path: str) -> None:
+    """Plot RSS over the run, with the least-squares line of its last half."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot([s["t_s"] / 60 for s in samples], [s["rss_mb"] for s in samples], label="RSS")
+    slope = rss_slope_mb_per_min(samples)
+    if slope is not None:
+        half = [s for s in samples if s["t_s"] >= samples[-1]["t_s"] / 2]
+        mean_t = sum(s["t_s"] / 60 for s in half) / len(half)
+        mean_rss = sum(s["rss_mb"] for s in half) / len(half)
+        ends = [half[0]["t_s"] / 60, half[-1]["t_s"] / 60]
+        fit = [mean_rss + slope * (t - mean_t) for t in ends]
+        ax.plot(ends, fit, "--", label=f"last half: {slope:+.2f} MB/min")
+        ax.legend(loc="best")
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("server RSS (MB)")
+    ax.set_title("infer8 serve under mixed load (soak)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def metric(text: str, name: str) -> float:
@@ -112,18 +157,34 @@ def main() -> None:
     parser.add_argument("--sample-s", type=float, default=10)
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
+    parser.add_argument(
+        "--max-rss-slope-mb-per-min",
+        type=float,
+        default=1.0,
+        help="exit 1 when RSS grows faster than this over the last half of the run",
+    )
+    parser.add_argument("--url", default=None, help="load this running server instead")
+    parser.add_argument("--server-pid", type=int, default=None, help="its process id (RSS)")
     args = parser.parse_args()
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "infer8.entrypoints.cli", "serve"]
-    argv += [args.model] if args.model else []
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning"]
-    argv += ["--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "16"]
-    argv += ["--max-waiting-requests", "32"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if (args.url is None) != (args.server_pid is None):
+        parser.error("--url and --server-pid go together")
+    proc: subprocess.Popen[bytes] | None = None
+    if args.url is not None:
+        url, server_pid = args.url.rstrip("/"), args.server_pid
+    else:
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "infer8.entrypoints.cli", "serve"]
+        argv += [args.model] if args.model else []
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning"]
+        argv += ["--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "16"]
+        argv += ["--max-waiting-requests", "32"]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server_pid = proc.pid
     deadline = time.monotonic() + 300
     while True:
-        assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+        assert proc is None or proc.poll() is None, "server exited"
+        assert time.monotonic() < deadline, "server did not start"
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 break
@@ -147,7 +208,7 @@ def main() -> None:
             samples.append(
                 {
                     "t_s": round(time.monotonic() - start, 1),
-                    "rss_mb": rss_bytes(proc.pid) / 1e6,
+                    "rss_mb": rss_bytes(server_pid) / 1e6,
                     "running": metric(text, "vllm:num_requests_running"),
                     "waiting": metric(text, "vllm:num_requests_waiting"),
                     "kv_usage": metric(text, "vllm:kv_cache_usage_perc"),
@@ -165,8 +226,9 @@ def main() -> None:
         final = httpx.get(f"{url}/metrics", timeout=30).text
         kv_usage_end = metric(final, "vllm:kv_cache_usage_perc")
     finally:
-        proc.terminate()
-        proc.wait()
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
     warm = [s["rss_mb"] for s in samples if s["t_s"] >= args.duration_s / 4]
     result = {
         "duration_s": args.duration_s,
@@ -175,6 +237,7 @@ def main() -> None:
         "rss_mb_after_warmup_min": min(warm) if warm else None,
         "rss_mb_after_warmup_max": max(warm) if warm else None,
         "rss_growth_after_warmup_pct": 100 * (max(warm) / min(warm) - 1) if warm else None,
+        "rss_slope_last_half_mb_per_min": rss_slope_mb_per_min(samples),
         "kv_cache_usage_at_end": kv_usage_end,
         "samples": samples,
     }
@@ -182,19 +245,15 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     if args.plot and samples:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        ax.plot([s["t_s"] / 60 for s in samples], [s["rss_mb"] for s in samples])
-        ax.set_xlabel("minutes")
-        ax.set_ylabel("server RSS (MB)")
-        ax.set_title("infer8 serve under mixed load (soak)")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        plot_rss(samples, args.plot)
+    slope = result["rss_slope_last_half_mb_per_min"]
+    if slope is not None and slope > args.max_rss_slope_mb_per_min:
+        print(
+            f"RSS grew {slope:.2f} MB/min over the last half of the run "
+            f"(limit {args.max_rss_slope_mb_per_min} MB/min)",
+            file=sys.stderr,
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

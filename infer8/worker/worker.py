@@ -26,7 +26,12 @@ from infer8.host_memory import HostMemory
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.models.loader import load_model
 from infer8.quant import fp8, kv_scales
-from infer8.worker.cpu_linear import pack_linear_layers, packing_applies, probe_packing
+from infer8.worker.cpu_linear import (
+    bound_kernel_caches,
+    pack_linear_layers,
+    packing_applies,
+    probe_packing,
+)
 from infer8.worker.kv_cache import (
     KVCacheSpec,
     LayerKVCache,
@@ -82,6 +87,8 @@ class Worker:
         self.tp_group = tp_group
         self.is_driver = tp_group is None or tp_group.rank == 0
         device = model_config.device
+        if device.type == "cpu":  # before any oneDNN op: its caches read the cap once
+            bound_kernel_caches()
         model, self.hf_config, ckpt_kv_scales = load_model(
             model_path, model_config.dtype, device, tp_group, gguf, args.quantization
         )

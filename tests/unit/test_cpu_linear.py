@@ -1,6 +1,11 @@
-"""oneDNN-packed CPU linear layers: same results as F.linear (float32 rounding), every layer packed."""
+"""oneDNN-packed CPU linear layers: same results as F.linear (float32 rounding), every layer
+packed, and oneDNN's per-shape kernel caches bounded."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,8 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer8.distributed.layers import ParallelLMHead, RowParallelLinear
+from infer8.host_memory import HostMemory
 from infer8.worker.cpu_linear import (
+    _KERNEL_CACHE_ENV,
+    KERNEL_CACHE_CAPACITY,
     PackedLinear,
+    bound_kernel_caches,
     linear_matmul,
     pack_linear_layers,
     packed_dtypes,
@@ -92,3 +101,55 @@ def test_float32_and_native_bf16_on_cpu_are_packed() -> None:
     if bf16_native:
         assert pack_linear_layers(model, batch_hint=4, dtype=torch.bfloat16) == 1
         assert isinstance(model[0], PackedLinear)
+
+
+# A fresh interpreter (the kernel caches read their capacity once, at the first oneDNN op):
+# how many more MB glibc's heap holds in use after a packed layer has run at 400 row counts.
+_GROWTH_OVER_ROW_COUNTS = """
+import ctypes
+import torch
+from torch import nn
+from infer8.worker.cpu_linear import PackedLinear, bound_kernel_caches
+bound_kernel_caches()
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "a b c d e f g uordblks h i".split()]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+layer = PackedLinear(nn.Linear(64, 64), batch_hint=16)
+layer(torch.ones(1, 64))
+before = libc.mallinfo2().uordblks
+for rows in range(2, 402):
+    layer(torch.ones(rows, 64))
+print((libc.mallinfo2().uordblks - before) / 1e6)
+"""
+
+
+def _heap_growth_mb() -> float:
+    env = {k: v for k, v in os.environ.items() if k not in _KERNEL_CACHE_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", _GROWTH_OVER_ROW_COUNTS],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not HostMemory().is_available, reason="glibc's allocator only")
+def test_kernel_caches_stay_bounded_as_step_sizes_vary() -> None:
+    """Each new row count compiles and caches a kernel (~0.6 MB: 400 row counts held ~230 MB
+    with oneDNN's default caches); a server meets a new one with almost every mixed step, and
+    its RSS grew ~20 MB a minute. 128 entries hold ~55-75 MB."""
+    assert _heap_growth_mb() < 100
+
+
+def test_kernel_cache_bound_leaves_a_setting_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in _KERNEL_CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "4096")
+    bound_kernel_caches()
+    assert os.environ["LRU_CACHE_CAPACITY"] == "4096"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(KERNEL_CACHE_CAPACITY)
