@@ -97,9 +97,9 @@ def test_fp8_quantization_never_holds_the_16_bit_model(medium_model: Path, tmp_p
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["weights"] > 60e6  # FP8 linears, 16-bit embeddings and LM head
-    # the FP8 weights plus one projection in flight (1.4x here); the 16-bit model with its
-    # FP8 copies made beside it: 3.3x (241 vs 73 MB)
-    assert figures["peak_over_base"] <= 1.7 * figures["weights"], figures
+    # the FP8 weights plus one projection in flight: 1.4-1.8x here (RSS, so the allocator's
+    # timing shows); the 16-bit model with its FP8 copies made beside it: 3.3x (241 vs 73 MB)
+    assert figures["peak_over_base"] <= 2.3 * figures["weights"], figures
 
 
 def test_plan_and_engine_agree_on_the_kv_budget(tmp_path: Path) -> None:
