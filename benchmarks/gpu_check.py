@@ -637,6 +637,10 @@ def main() -> int:
     parser.add_argument(
         "--no-sweep", action="store_true", help="time the default kernel config only"
     )
+    parser.add_argument(
+        "--sections",
+        help="comma-separated sections to run, in this order (default: all, pytest_gpu first)",
+    )
     args = parser.parse_args()
     t_start = time.perf_counter()
 
@@ -701,20 +705,41 @@ def main() -> int:
             torch.cuda.empty_cache()
             save()
 
-    section("pytest_gpu", run_gpu_tests, limit_s=300)
     work_dir = Path(tempfile.mkdtemp(prefix="infer8-gpu-check-"))
-    section("engine_smoke", lambda: engine_smoke(device, work_dir), limit_s=240)
-    section("memory_split", lambda: memory_split(device, work_dir), limit_s=180)
-    section("fp8_agreement", lambda: fp8_agreement(device, work_dir), limit_s=120)
-    section("sampling", lambda: sampling(device), limit_s=60)
-    section("kernels_vs_reference", lambda: check_kernels(device))
-    bw = section("bandwidth", lambda: copy_bandwidth(device))
-    copy_gbps = bw["copy_gb_per_s"] if bw else float("nan")
-    section(
-        "decode_attention",
-        lambda: decode_attention(device, copy_gbps, args.batch, args.context, not args.no_sweep),
-    )
-    section("end_to_end", lambda: end_to_end(device, args.batch, args.context, args.steps))
+    bw: dict[str, float] = {}
+
+    def bandwidth() -> dict[str, float]:
+        bw.update(copy_bandwidth(device))
+        return bw
+
+    # name -> (function, watchdog limit in seconds), in the default order
+    sections: dict[str, tuple[Callable[[], Any], float]] = {
+        "pytest_gpu": (run_gpu_tests, 300),
+        "engine_smoke": (lambda: engine_smoke(device, work_dir), 240),
+        "memory_split": (lambda: memory_split(device, work_dir), 180),
+        "fp8_agreement": (lambda: fp8_agreement(device, work_dir), 120),
+        "sampling": (lambda: sampling(device), 60),
+        "kernels_vs_reference": (lambda: check_kernels(device), 240),
+        "bandwidth": (bandwidth, 240),
+        "decode_attention": (
+            lambda: decode_attention(
+                device,
+                bw.get("copy_gb_per_s", float("nan")),
+                args.batch,
+                args.context,
+                not args.no_sweep,
+            ),
+            240,
+        ),
+        "end_to_end": (lambda: end_to_end(device, args.batch, args.context, args.steps), 240),
+    }
+    order = args.sections.split(",") if args.sections else list(sections)
+    unknown = [name for name in order if name not in sections]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; choose from {', '.join(sections)}")
+    for name in order:
+        fn, limit_s = sections[name]
+        section(name, fn, limit_s=limit_s)
     save()
     _log(f"\nwrote {args.out} ({RESULTS['total_s']:.0f}s total)")
     return 1 if RESULTS["errors"] else 0
