@@ -278,7 +278,8 @@ def memory_split(
     if kv_allocated > plan.kv_bytes:
         out["failures"].append(f"KV cache allocated {kv_allocated} > its budget {plan.kv_bytes}")
     if is_cuda:
-        if not plan.is_measured or plan.source != "left":
+        # "need": what max_num_seqs x max_model_len can fill was less than the measured rest
+        if not plan.is_measured or plan.source not in ("left", "need"):
             out["failures"].append(
                 f"the default start-up did not size the cache from a measured profile "
                 f"(source {plan.source!r}, measured {plan.is_measured})"
@@ -287,6 +288,11 @@ def memory_split(
             out["failures"].append("no activation or graph reserve was deducted")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        # device memory outside the allocator (context, kernels, graphs), after start-up
+        out["outside_allocator_after_start_gib"] = (
+            total_bytes - free_bytes - torch.cuda.memory_reserved(device)
+        ) / 2**30
     # the heaviest steps: prompts filling the token budget, then max_num_seqs decodes at once
     budget = llm.engine.scheduler_config.max_num_batched_tokens
     long_len = min(worker.max_model_len - 16, 2 * budget)
@@ -304,6 +310,9 @@ def memory_split(
         used = total_bytes - free_bytes
         limit = int(utilization * total_bytes) + MEMORY_SLACK_BYTES
         out["used_after_workload_gib"] = used / 2**30
+        out["outside_allocator_after_workload_gib"] = (
+            used - torch.cuda.memory_reserved(device)
+        ) / 2**30
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         out["limit_gib"] = limit / 2**30
         if used > limit:

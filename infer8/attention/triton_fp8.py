@@ -43,7 +43,10 @@ def round_to_grid(x, MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, MAGIC: t
     y = bits.to(tl.float32, bitcast=True)
     if MIN_NORMAL > 0:
         tiny = (tl.abs(x) + MAGIC) - MAGIC
-        tiny = tl.where(x < 0, -tiny, tiny)  # keeps -0.0 for tiny negatives, as torch does
+        # x's sign bit on the magnitude: tiny negatives keep -0.0, as torch's cast does (a
+        # compare-and-negate lost it on an H200, where the compiler rewrites it)
+        sign = x.to(tl.int32, bitcast=True) & -2147483648
+        tiny = (tiny.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
         y = tl.where(tl.abs(x) < MIN_NORMAL, tiny, y)
     return y
 

@@ -7,6 +7,7 @@ statistics on a GPU and with a stand-in on CPU (tests check the start-up order t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -186,3 +187,75 @@ def measure_other_bytes(counters: MemoryCounters) -> int:
     counters.empty_cache()
     free_bytes, total_bytes = counters.mem_get_info()
     return max(0, total_bytes - free_bytes - counters.reserved_bytes())
+
+
+def warm_up_runtime(
+    model: LlamaForCausalLM,
+    kv_spec: KVCacheSpec,
+    sched: SchedulerConfig,
+    max_model_len: int,
+    device: torch.device,
+    counters: MemoryCounters,
+    capture_graphs: Callable[[list[LayerKVCache]], object] | None,
+) -> int:
+    """Run the serving kernels once on a throwaway cache; return what graph capture took.
+
+    The largest-step profile runs plain prefill only. Serving also loads the decode, exact-tail
+    and rotation kernels, every sampler path (top-k / top-p / min-p, penalties, seeds,
+    logprobs) and, with CUDA graphs, the graphs themselves: on a GPU each kernel module a
+    first call loads and each instantiated graph takes device memory outside the allocator.
+    Running them here, before measure_other_bytes, puts that memory in the plan instead of
+    past the --gpu-memory-utilization budget. Returns the device bytes (all of them, as the
+    driver counts them) that capturing the decode graphs on the throwaway cache took; 0
+    without graphs.
+    """
+    from infer8.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+    from infer8.sampling_params import SamplingParams
+    from infer8.worker.model_runner import ModelRunner
+
+    block_size = kv_spec.block_size
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=2),
+        SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.05, seed=1, max_tokens=2
+        ),  # fmt: skip
+        SamplingParams(min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5, max_tokens=2),
+        SamplingParams(logprobs=5, max_tokens=2),
+    ][: max(1, min(4, sched.max_num_seqs))]
+    # one long prompt up to the step's token budget, the others one token each
+    long_len = max(1, min(max_model_len - 1, sched.max_num_batched_tokens - (len(params) - 1)))
+    lens = [long_len] + [1] * (len(params) - 1)
+    block_ids, next_block = [], 1  # block 0 stays unused, as the scheduler keeps it
+    for n in lens:
+        num_blocks = cdiv(n + 1, block_size)  # the prompt and one decoded token
+        block_ids.append(list(range(next_block, next_block + num_blocks)))
+        next_block += num_blocks
+    caches = allocate_kv_cache(
+        kv_spec, next_block, device, len(params) if kv_spec.exact_tail_tokens else 0
+    )
+    runner = ModelRunner(model, caches, block_size, device, exact_tail=kv_spec)
+    new = [
+        NewRequestData(f"warm-up-{i}", [i + 1] * n, p) for i, (n, p) in enumerate(zip(lens, params))
+    ]
+    prefill = SchedulerOutput(
+        scheduled_new_reqs=new,
+        scheduled=[ScheduledRequest(r.req_id, 0, n, b) for r, n, b in zip(new, lens, block_ids)],
+    )
+    runner.execute(prefill)
+    decode = SchedulerOutput(
+        scheduled=[ScheduledRequest(r.req_id, n, 1, b) for r, n, b in zip(new, lens, block_ids)],
+        new_token_ids={r.req_id: 1 for r in new},
+    )
+    runner.execute(decode)
+    graph_bytes = 0
+    if capture_graphs is not None:
+        counters.synchronize()
+        free_before = counters.mem_get_info()[0]
+        graphs = capture_graphs(caches)
+        counters.synchronize()
+        graph_bytes = max(0, free_before - counters.mem_get_info()[0])
+        del graphs
+    del runner, caches
+    counters.synchronize()
+    counters.empty_cache()
+    return graph_bytes

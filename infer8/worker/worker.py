@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,6 +52,7 @@ from infer8.worker.memory_profile import (
     MemoryCounters,
     measure_activation_bytes,
     measure_other_bytes,
+    warm_up_runtime,
 )
 from infer8.worker.model_runner import ModelRunner
 
@@ -175,6 +177,8 @@ class Worker:
             self.runner.sampler.candidates = kernels.nucleus_candidates
         if self.uses_cuda_graphs:
             self._capture_cuda_graphs()
+        if self.memory_plan.is_measured and memory_counters is not None:
+            self._check_device_use(memory_counters)
 
     # -- construction helpers -------------------------------------------------------------
     def _pack_cpu_weights(
@@ -217,11 +221,17 @@ class Worker:
         counters = self.memory_counters
         if counters is not None and self.cache_config.kv_cache_memory_bytes is None:
             act_bytes = measure_activation_bytes(model, self.kv_spec, sched, device, counters)
-            other_bytes = measure_other_bytes(counters)  # after the profile: see there
+            max_len = min(model_config.max_model_len or arch.max_position_embeddings,
+                          arch.max_position_embeddings)  # fmt: skip
+            captured_bytes = warm_up_runtime(
+                model, self.kv_spec, sched, max_len, device, counters,
+                self._graph_capture(model, max_len) if self.uses_cuda_graphs else None,
+            )  # fmt: skip
+            other_bytes = measure_other_bytes(counters)  # after the warm-up: see there
             device_bytes = counters.mem_get_info()[1]
             is_measured = True
-            if self.uses_cuda_graphs:
-                graph_bytes = self._graph_reserve_bytes(model)
+            if self.uses_cuda_graphs:  # what capture took on the device, at least the estimate
+                graph_bytes = max(captured_bytes, self._graph_reserve_bytes(model))
         max_len = model_config.max_model_len or arch.max_position_embeddings
         need_blocks = sched.max_num_seqs * cdiv(max_len, self.kv_spec.block_size)
         plan = plan_kv_memory(
@@ -240,6 +250,19 @@ class Worker:
         if self.is_driver:
             print(plan.report(device.type == "cpu"), flush=True)
         return plan.kv_bytes
+
+    def _check_device_use(self, counters: MemoryCounters) -> None:
+        """Warn when start-up left the device above --gpu-memory-utilization's share."""
+        counters.synchronize()
+        free_bytes, total_bytes = counters.mem_get_info()
+        used, budget = total_bytes - free_bytes, int(total_bytes * self.memory_plan.utilization)
+        if used > budget:
+            logger.warning(
+                "device memory in use after start-up, %.2f GiB, is above "
+                "--gpu-memory-utilization %s x %.2f GiB = %.2f GiB (other processes may have "
+                "grown meanwhile); lower --gpu-memory-utilization if steps run out of memory",
+                used / GiB, self.memory_plan.utilization, total_bytes / GiB, budget / GiB,
+            )  # fmt: skip
 
     def _graph_reserve_bytes(self, model: LlamaForCausalLM) -> int:
         """Return the decode graphs' reserve from this rank's shapes (see memory.py)."""
@@ -312,6 +335,24 @@ class Worker:
             cache.k_static_scale = k.to(device)
             cache.v_static_scale = v.to(device)
         return f"static ({scales.source})"
+
+    def _graph_capture(
+        self, model: LlamaForCausalLM, max_model_len: int
+    ) -> Callable[[list[LayerKVCache]], object]:
+        """Return a function that captures this worker's decode graphs over given caches."""
+        from infer8.worker.cuda_graphs import CUDAGraphDecodeRunner
+
+        def capture(caches: list[LayerKVCache]) -> object:
+            runner = CUDAGraphDecodeRunner(
+                model, caches, self.attn_backend,  # type: ignore[arg-type]
+                self.cache_config.block_size, max_model_len,
+                self.scheduler_config.max_num_seqs,
+                tail_window=self.kv_spec.exact_tail_tokens,
+            )  # fmt: skip
+            runner.capture()
+            return runner
+
+        return capture
 
     def _capture_cuda_graphs(self) -> None:
         """Capture decode graphs per batch bucket (vLLM's default; --enforce-eager turns it off).

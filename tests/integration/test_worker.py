@@ -225,6 +225,7 @@ class FakeMemoryCounters:
         self.loaded_bytes = 20 << 20
         self.has_profiled = False
         self.peak_base = 0
+        self.outside = 0  # live CUDA graphs' device memory outside the allocator
 
     def synchronize(self) -> None:
         pass
@@ -235,6 +236,7 @@ class FakeMemoryCounters:
     def mem_get_info(self) -> tuple[int, int]:
         used = self.allocated + self.other_process_bytes
         used += self.loaded_bytes if self.has_profiled else 0
+        used += self.outside
         return self.total_bytes - used, self.total_bytes
 
     def reserved_bytes(self) -> int:
@@ -258,7 +260,7 @@ def test_start_up_profiles_then_allocates_the_cache_then_captures_graphs(
 ) -> None:
     # the CUDA start-up order with the device swapped for CPU: fake counters, graphs recorded;
     # an FP8 cache keeps its exact tail and rotation (the defaults) and still gets graphs
-    from infer8.worker import memory_profile, worker
+    from infer8.worker import memory_profile, model_runner, worker
     from infer8.worker.kv_cache import allocate_kv_cache
     from infer8.worker.memory import GiB
 
@@ -278,23 +280,55 @@ def test_start_up_profiles_then_allocates_the_cache_then_captures_graphs(
     monkeypatch.setattr(worker, "allocate_kv_cache", engine_cache)
     monkeypatch.setattr(worker, "cuda_graphs_apply", lambda device, enforce_eager: True)
     monkeypatch.setattr(worker.Worker, "_capture_cuda_graphs", lambda self: events.append("graphs"))
+    execute = model_runner.ModelRunner.execute
+
+    def recorded_execute(self, sched):  # type: ignore[no-untyped-def]
+        kind = "prefill" if sched.scheduled_new_reqs else "decode"
+        events.append(f"warm-up {kind} x{len(sched.scheduled)}")
+        return execute(self, sched)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "execute", recorded_execute)
+    graph_device_bytes = 400 << 20  # what instantiating the graphs takes outside the allocator
+
+    class Graphs:
+        def __init__(self) -> None:
+            counters.outside += graph_device_bytes
+
+        def __del__(self) -> None:
+            counters.outside -= graph_device_bytes
+
+    def graph_capture(self, model, max_model_len):  # type: ignore[no-untyped-def]
+        def capture(caches):  # type: ignore[no-untyped-def]
+            assert caches[0].k.shape[1] < 64, "captured on the throwaway cache"
+            events.append("warm-up graphs")
+            return Graphs()
+
+        return capture
+
+    monkeypatch.setattr(worker.Worker, "_graph_capture", graph_capture)
     model_dir = str(build_tiny_model(tmp_path, "llama"))
     args = EngineArgs(
-        model=model_dir, dtype="float32", device="cpu", gpu_memory_utilization=0.15,
+        model=model_dir, dtype="float32", device="cpu", gpu_memory_utilization=0.25,
         max_num_seqs=4096, max_num_batched_tokens=1024, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     w = worker.Worker(args, model_dir, memory_counters=counters)
     assert w.uses_exact_tail == (kv_cache_dtype == "fp8_e4m3")
-    assert events == ["profile", "kv cache", "graphs"]
+    # the serving kernels (a prefill, a decode over every sampler path) and the graphs run
+    # once on a throwaway cache before the budget is read
+    assert events == [
+        "profile", "warm-up prefill x4", "warm-up decode x4", "warm-up graphs", "kv cache", "graphs"
+    ]  # fmt: skip
     plan_ = w.memory_plan
     assert plan_.is_measured and plan_.source == "left"
     # the step's own peak, not the throwaway cache it ran on
     assert plan_.activation_bytes == counters.step_peak_bytes
     # other processes, and what the profile loaded outside the allocator
     assert plan_.other_bytes == counters.other_process_bytes + counters.loaded_bytes
-    left = int(0.15 * 4 * GiB) - plan_.weight_bytes - plan_.activation_bytes - plan_.other_bytes
+    left = int(0.25 * 4 * GiB) - plan_.weight_bytes - plan_.activation_bytes - plan_.other_bytes
     left -= plan_.graph_bytes
-    assert plan_.graph_bytes == w._graph_reserve_bytes(w.model) and plan_.kv_bytes == left
+    # the graphs' reserve is what capturing them took on the device (above the estimate here)
+    assert w._graph_reserve_bytes(w.model) < graph_device_bytes == plan_.graph_bytes
+    assert plan_.kv_bytes == left
     assert w.num_blocks == w.kv_spec.num_blocks_for(left, w.num_tail_rows)
 
 
