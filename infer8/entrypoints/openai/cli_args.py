@@ -40,7 +40,8 @@ class ServerConfig:
     metrics_require_api_key: bool = False
     # Requests accepted but not yet running; beyond it new requests get 503. None: unbounded.
     max_waiting_requests: int | None = None
-    max_request_body_bytes: int = 16 << 20
+    # None: 4 MiB + 64 bytes per token of context (request_limits.default_max_body_bytes)
+    max_request_body_bytes: int | None = None
     shutdown_grace_period_s: float = 25.0
     # A connection must send a request's whole head within this (slow or idle sockets close);
     # an idle keep-alive connection closes after timeout_keep_alive_s (uvicorn's setting).
@@ -83,7 +84,7 @@ class ServerConfig:
             raise ValueError(f"limit_concurrency must be >= 1, got {self.limit_concurrency}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
-        if self.max_request_body_bytes < 1:
+        if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1:
             raise ValueError(
                 f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}"
             )
@@ -141,7 +142,8 @@ _SERVER_HELP: dict[str, str] = {
     "timeout_keep_alive_s": "close an idle keep-alive connection after this many seconds",
     "limit_concurrency": "open connections plus requests in flight; past it: 503",
     "max_waiting_requests": "bound on accepted requests not yet running; beyond it: 503",
-    "max_request_body_bytes": "larger request bodies are refused with 413",
+    "max_request_body_bytes": "larger request bodies are refused with 413 (default: 4 MiB plus "
+    "64 bytes per token of max_model_len)",
     "shutdown_grace_period_s": "on SIGTERM, how long in-flight requests may run before abort",
     "uvicorn_log_level": "log level of the HTTP server",
     "engine_step_timeout_s": "an engine step running longer than this makes /health 503, fails "

@@ -198,7 +198,7 @@ class BodySizeLimitMiddleware:
     def _too_large(self) -> JSONResponse:
         return error_response(
             413,
-            f"The request body exceeds {self.max_body_bytes} bytes.",
+            f"The request body exceeds {self.max_body_bytes} bytes (--max-request-body-bytes).",
             code="request_too_large",
         )
 

@@ -35,6 +35,17 @@ MIN_MAX_JSON_STRINGS = 1 << 16
 _SCALARS = frozenset({int, float, bool, type(None)})
 
 
+def default_max_body_bytes(max_model_len: int) -> int:
+    """Return the default body limit: room for a context's worth of escaped text, and more.
+
+    A whole context of prompt text JSON-escaped takes well under 64 bytes a token; the 4 MiB
+    on top hold tools, schemas and batches of prompts. Parsing a body holds the event loop (a
+    15 MB one ~25-50 ms on one core), so the cap also bounds how long one request can stall
+    /health; --max-request-body-bytes raises it.
+    """
+    return (4 << 20) + 64 * max_model_len
+
+
 def raw_limits(max_model_len: int) -> tuple[int, int]:
     """Return the most JSON objects and strings a body may hold for a model of this context."""
     return max(MIN_MAX_JSON_OBJECTS, max_model_len // 4), max(MIN_MAX_JSON_STRINGS, max_model_len)

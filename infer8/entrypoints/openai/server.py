@@ -48,7 +48,11 @@ from infer8.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from infer8.entrypoints.openai.request_limits import guarded_route, raw_limits
+from infer8.entrypoints.openai.request_limits import (
+    default_max_body_bytes,
+    guarded_route,
+    raw_limits,
+)
 from infer8.entrypoints.openai.serving import WorkPool
 from infer8.entrypoints.openai.serving_chat import OpenAIServingChat
 from infer8.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -159,7 +163,10 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     app.state.console_recorder = recorder
     _add_error_handlers(app)
     app.add_middleware(JSONBodyMiddleware)
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
+    max_body = config.max_request_body_bytes
+    if max_body is None:
+        max_body = default_max_body_bytes(engine.max_model_len)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body)
     if api_keys:
         public = _PUBLIC_PATHS if config.metrics_require_api_key else _PUBLIC_PATHS | {"/metrics"}
         app.add_middleware(
