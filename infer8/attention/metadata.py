@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -59,38 +60,75 @@ def build_attention_metadata(
     device: torch.device,
 ) -> AttentionMetadata:
     """Build metadata from per-sequence query lengths, progress and block tables."""
-    num_seqs = len(query_lens)
-    query_start_loc = [0]
-    seq_lens = []
-    slots: list[int] = []
-    for q_len, computed, blocks in zip(query_lens, num_computed_tokens, block_ids):
-        query_start_loc.append(query_start_loc[-1] + q_len)
-        seq_lens.append(computed + q_len)
-        for pos in range(computed, computed + q_len):
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-    num_blocks = torch.tensor([len(b) for b in block_ids], dtype=torch.int64)  # [num_seqs]
-    max_blocks = max(1, int(num_blocks.max()) if num_seqs else 0)
-    # one tensor of every sequence's blocks, then one masked write (not a tensor per sequence)
-    table = torch.zeros((num_seqs, max_blocks), dtype=torch.int64)
-    is_used = torch.arange(max_blocks) < num_blocks[:, None]  # [num_seqs, max_blocks]
-    table[is_used] = torch.tensor(list(chain.from_iterable(block_ids)), dtype=torch.int64)
+    num_seqs = len(block_ids)
+    num_blocks = np.fromiter(map(len, block_ids), dtype=np.int64, count=num_seqs)
+    table = np.zeros((num_seqs, max(1, int(num_blocks.max()) if num_seqs else 0)), np.int64)
+    is_used = np.arange(table.shape[1]) < num_blocks[:, None]
+    table[is_used] = np.fromiter(chain.from_iterable(block_ids), np.int64, int(num_blocks.sum()))
+    return metadata_from_table(
+        np.asarray(query_lens, dtype=np.int64),
+        np.asarray(num_computed_tokens, dtype=np.int64),
+        table, np.arange(num_seqs), num_blocks, block_size, device,
+    )  # fmt: skip
 
-    decode_seq_ids = [i for i in range(num_seqs) if query_lens[i] == 1]
-    prefill_seq_ids = [i for i in range(num_seqs) if query_lens[i] != 1]
-    max_decode_blocks = max((-(-seq_lens[i] // block_size) for i in decode_seq_ids), default=1)
-    decode_block_tables = table[decode_seq_ids, :max_decode_blocks]
-    decode_lens = torch.tensor([seq_lens[i] for i in decode_seq_ids], dtype=torch.int64)
-    return AttentionMetadata(
-        num_real_tokens=query_start_loc[-1],
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        block_tables=table.to(device),
-        decode_seq_ids=decode_seq_ids,
-        decode_token_ids=torch.tensor(
-            [query_start_loc[i] for i in decode_seq_ids], dtype=torch.int64, device=device
-        ),
-        decode_block_tables=decode_block_tables.to(device),
-        decode_seq_lens=decode_lens,
-        prefill_seq_ids=prefill_seq_ids,
+
+def metadata_from_table(
+    query_lens: np.ndarray,
+    num_computed_tokens: np.ndarray,
+    table: np.ndarray,
+    rows: np.ndarray,
+    num_blocks: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Build a step's metadata with numpy from a block table that may outlive the step.
+
+    table: [num_rows, width] int64 block ids, zero past each row's blocks; sequence i's blocks
+    are row rows[i], num_blocks[i] of them. Slots, positions and tables are computed per
+    array, never per token in Python (a decode step of 256 sequences of 4K tokens took 88 ms on a 2-core CPU that way).
+    """
+    num_seqs = len(query_lens)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    seq_lens = num_computed_tokens + query_lens
+    positions = token_positions(query_lens, num_computed_tokens, query_start_loc)
+    seq_of_token = np.repeat(rows, query_lens)
+    slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
+    max_blocks = max(1, int(num_blocks.max()) if num_seqs else 0)
+    is_decode = query_lens == 1
+    decode_ids = np.flatnonzero(is_decode)
+    max_decode_blocks = (
+        max(1, -(-int(seq_lens[decode_ids].max()) // block_size)) if len(decode_ids) else 1
     )
+    return AttentionMetadata(
+        num_real_tokens=int(query_start_loc[-1]),
+        slot_mapping=to_device(slots, device),
+        query_start_loc=query_start_loc.tolist(),
+        seq_lens=seq_lens.tolist(),
+        block_tables=to_device(table[rows, :max_blocks], device),
+        decode_seq_ids=decode_ids.tolist(),
+        decode_token_ids=to_device(query_start_loc[decode_ids], device),
+        decode_block_tables=to_device(table[rows[decode_ids], :max_decode_blocks], device),
+        decode_seq_lens=torch.from_numpy(seq_lens[decode_ids]),
+        prefill_seq_ids=np.flatnonzero(~is_decode).tolist(),
+    )
+
+
+def token_positions(
+    query_lens: np.ndarray, num_computed_tokens: np.ndarray, query_start_loc: np.ndarray
+) -> np.ndarray:
+    """Return each packed token's position in its sequence ([sum(query_lens)] int64)."""
+    offsets = np.repeat(num_computed_tokens - query_start_loc[:-1], query_lens)
+    return np.arange(int(query_start_loc[-1]), dtype=np.int64) + offsets
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Return a step input on the device: through pinned memory without waiting on CUDA.
+
+    The caching host allocator keeps a pinned block until its copy has run, so a step's
+    buffers are never overwritten in flight. On CPU the array's memory is used as it is.
+    """
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from infer8.attention.exact_tail import build_tail_metadata
-from infer8.attention.metadata import AttentionMetadata, build_attention_metadata
+from infer8.attention.metadata import (
+    AttentionMetadata,
+    metadata_from_table,
+    to_device,
+    token_positions,
+)
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.models.llama import LlamaForCausalLM
+from infer8.worker.block_tables import BlockTables
 from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache
 from infer8.worker.sampler import Sampler, SamplingState
 from infer8.worker.tail_seats import SinkSlots, TailRows
@@ -40,6 +47,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device, seed)
         self.states: dict[str, SamplingState] = {}
+        self.block_tables = BlockTables()  # each running request's blocks, kept across steps
         # Set by the worker on CUDA unless enforce_eager: replays captured decode graphs.
         self.graph_runner: CUDAGraphDecodeRunner | None = None
         # Set by the engine: masks constrained rows' logits by their grammars before sampling.
@@ -91,8 +99,11 @@ class ModelRunner:
             self.device,
         )
 
-    def _token_ids(self, state: SamplingState) -> list[int]:
-        return state.prompt_token_ids + state.output_token_ids
+    def reset(self) -> None:
+        """Forget every request (after a failed step): states, block rows, tail seats."""
+        self.states.clear()
+        self.block_tables.clear()
+        self.release_tail()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -104,8 +115,11 @@ class ModelRunner:
                 state.output_token_ids.append(token_id)
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
+        for req_id in sched.finished_req_ids + sched.preempted_req_ids:
+            self.block_tables.remove(req_id)
         self.release_tail(sched.finished_req_ids + sched.preempted_req_ids)
         for new in sched.scheduled_new_reqs:
+            self.block_tables.remove(new.req_id)  # a resumed request's blocks start afresh
             p = new.sampling_params
             gen = None
             if p.seed is not None:
@@ -117,28 +131,28 @@ class ModelRunner:
             return ModelRunnerOutput()
 
         input_ids: list[int] = []
-        positions: list[int] = []
         for s in sched.scheduled:
-            tokens = self._token_ids(self.states[s.req_id])
+            state = self.states[s.req_id]
             end = s.num_computed_tokens + s.num_new_tokens
-            assert end <= len(tokens), f"{s.req_id}: scheduled past its known tokens"
-            input_ids.extend(tokens[s.num_computed_tokens : end])
-            positions.extend(range(s.num_computed_tokens, end))
+            input_ids.extend(_token_slice(state, s.num_computed_tokens, end))
+        query_lens = np.fromiter((s.num_new_tokens for s in sched.scheduled), np.int64)
+        computed = np.fromiter((s.num_computed_tokens for s in sched.scheduled), np.int64)
+        rows = np.fromiter(
+            (self.block_tables.update(s.req_id, s.block_ids) for s in sched.scheduled), np.int64
+        )
+        tables = self.block_tables
+        meta = metadata_from_table(
+            query_lens, computed, tables.table, rows, tables.num_blocks[rows], self.block_size,
+            self.device,
+        )  # fmt: skip
+        positions = token_positions(query_lens, computed, np.asarray(meta.query_start_loc))
         # Static-batch padding: dummy tokens that go through every layer and attend to nothing.
         input_ids.extend([0] * sched.num_padding_tokens)
-        positions.extend([0] * sched.num_padding_tokens)
-
-        meta = build_attention_metadata(
-            [s.num_new_tokens for s in sched.scheduled],
-            [s.num_computed_tokens for s in sched.scheduled],
-            [s.block_ids for s in sched.scheduled],
-            self.block_size,
-            self.device,
-        )
+        positions = np.concatenate([positions, np.zeros(sched.num_padding_tokens, np.int64)])
         if self.tail_rows is not None:
             self._add_tail_metadata(sched, meta)
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        ids_t = to_device(np.asarray(input_ids, dtype=np.int64), self.device)
+        pos_t = to_device(positions, self.device)
         if self.graph_runner is not None and self.graph_runner.can_run(meta, len(input_ids)):
             hidden = self.graph_runner.run(ids_t, pos_t, meta)  # a captured CUDA-graph decode
         else:
@@ -146,8 +160,9 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
         if not sample_rows:
             return ModelRunnerOutput()
-        last_token_idx = torch.tensor(
-            [meta.query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device
+        last_token_idx = to_device(
+            np.asarray([meta.query_start_loc[i + 1] - 1 for i in sample_rows], np.int64),
+            self.device,
         )
         logits = self.model.compute_logits(hidden[last_token_idx])  # [num_sampled, vocab]
         if not self.is_driver:
@@ -169,3 +184,15 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[req_id] = lp
         return out
+
+
+def _token_slice(state: SamplingState, start: int, end: int) -> list[int]:
+    """Return tokens [start, end) of prompt + output without joining the two lists."""
+    prompt, output = state.prompt_token_ids, state.output_token_ids
+    n = len(prompt)
+    assert end <= n + len(output), "scheduled past the request's known tokens"
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return output[start - n : end - n]
+    return prompt[start:] + output[: end - n]

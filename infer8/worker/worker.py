@@ -381,8 +381,7 @@ class Worker:
 
     def reset(self) -> None:
         """Forget every request's state (after a failed step); weights and KV memory stay."""
-        self.runner.states.clear()
-        self.runner.release_tail()  # every seat is free again, no block keeps its sinks
+        self.runner.reset()  # states, block rows; every seat free, no block keeps its sinks
 
     @property
     def uses_exact_tail(self) -> bool:
