@@ -11,6 +11,7 @@ from infer8.attention.metadata import AttentionMetadata, build_attention_metadat
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.models.llama import LlamaForCausalLM
 from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache
+from infer8.worker.kv_offload import HostKVCache
 from infer8.worker.sampler import Sampler, SamplingState
 from infer8.worker.tail_seats import SinkSlots, TailRows
 
@@ -31,11 +32,13 @@ class ModelRunner:
         seed: int = 0,
         is_driver: bool = True,
         exact_tail: KVCacheSpec | None = None,
+        host_kv_cache: HostKVCache | None = None,
     ) -> None:
         # A tensor-parallel worker (is_driver False) runs the model but leaves sampling to rank 0.
         self.is_driver = is_driver
         self.model = model
         self.kv_caches = kv_caches
+        self.host_kv_cache = host_kv_cache  # the host-memory tier (--kv-offloading-size)
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed)
@@ -91,6 +94,16 @@ class ModelRunner:
             self.device,
         )
 
+    def _transfer_host_blocks(self, sched: SchedulerOutput) -> None:
+        """Do the host tier's copies before the step writes any block: saves, then loads."""
+        if not sched.host_save_block_ids and not sched.host_load_slots:
+            return
+        assert self.host_kv_cache is not None, "host copies without a host tier"
+        self.host_kv_cache.save(self.kv_caches, sched.host_save_block_ids, sched.host_save_slots)
+        self.host_kv_cache.load(self.kv_caches, sched.host_load_slots, sched.host_load_block_ids)
+        if self.sink_slots is not None:  # a loaded first block brings no exact sinks back
+            self.sink_slots.forget(sched.host_load_block_ids)
+
     def _token_ids(self, state: SamplingState) -> list[int]:
         return state.prompt_token_ids + state.output_token_ids
 
@@ -105,6 +118,7 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
         self.release_tail(sched.finished_req_ids + sched.preempted_req_ids)
+        self._transfer_host_blocks(sched)
         for new in sched.scheduled_new_reqs:
             p = new.sampling_params
             gen = None
