@@ -168,8 +168,15 @@ class CacheConfig:
     kv_cache_exact_tail_tokens: int | None = None
     kv_cache_exact_sink_tokens: int | None = None
     kv_cache_hadamard: bool | None = None
+    # GiB of host memory for evicted prefix blocks (vLLM's --kv-offloading-size); None/0: off.
+    kv_offloading_size: float | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_offloading_size is not None and not self.kv_offloading_size >= 0:
+            raise ValueError(
+                f"kv_offloading_size (GiB of host memory) must be >= 0, got "
+                f"{self.kv_offloading_size}"
+            )
         for name in ("kv_cache_exact_tail_tokens", "kv_cache_exact_sink_tokens"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -292,6 +299,7 @@ class EngineArgs:
     kv_cache_exact_tail_tokens: int | None = None
     kv_cache_exact_sink_tokens: int | None = None
     kv_cache_hadamard: bool | None = None
+    kv_offloading_size: float | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     scheduler: str = "continuous"
@@ -347,6 +355,7 @@ class EngineArgs:
             kv_cache_exact_tail_tokens=self.kv_cache_exact_tail_tokens,
             kv_cache_exact_sink_tokens=self.kv_cache_exact_sink_tokens,
             kv_cache_hadamard=self.kv_cache_hadamard,
+            kv_offloading_size=self.kv_offloading_size,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

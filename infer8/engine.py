@@ -80,6 +80,7 @@ class LLMEngine:
         self.kv_spec = worker.kv_spec
         self.num_blocks = worker.num_blocks
         self.num_tail_rows = worker.num_tail_rows
+        self.num_host_blocks = worker.num_host_blocks
         self.max_model_len = worker.max_model_len
         self.vocab_size = worker.model.config.vocab_size  # valid token ids are below it
         self.kv_events_config = args.create_kv_events_config()
@@ -123,6 +124,7 @@ class LLMEngine:
             self.cache_config.block_size,
             enable_caching=self.cache_config.enable_prefix_caching and not is_static,
             enable_kv_cache_events=self.kv_events_config.is_enabled,
+            num_host_blocks=self.num_host_blocks,
         )
         sched_cls = StaticScheduler if is_static else Scheduler
         max_num_seqs = self.scheduler_config.max_num_seqs

@@ -37,8 +37,6 @@ from infer8.core import kv_events as records
 
 logger = logging.getLogger(__name__)
 
-# The tier vLLM names its device KV cache; infer8 has one tier, whatever the device.
-MEDIUM = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -129,7 +127,7 @@ class KVEventEncoder:
                         token_ids=event.token_ids,
                         block_size=event.block_size,
                         lora_id=None,
-                        medium=MEDIUM,
+                        medium=event.medium,
                         lora_name=None,
                         extra_keys=event.extra_keys,
                         group_idx=0,
@@ -139,7 +137,9 @@ class KVEventEncoder:
             elif isinstance(event, records.BlockRemoved):
                 wire.append(
                     t["BlockRemoved"](
-                        block_hashes=[h(x) for x in event.block_hashes], medium=MEDIUM, group_idx=0
+                        block_hashes=[h(x) for x in event.block_hashes],
+                        medium=event.medium,
+                        group_idx=0,
                     )
                 )
             else:

@@ -56,6 +56,19 @@ class EngineMetrics:
             name,
             registry=r,
         ).labels(model_name)
+        # vLLM counts hits of a KV connector's cache (its CPU offloading) under these names.
+        self.external_prefix_cache_queries = Counter(
+            "vllm:external_prefix_cache_queries",
+            "Host KV tier queries, in terms of number of queried tokens.",
+            name,
+            registry=r,
+        ).labels(model_name)
+        self.external_prefix_cache_hits = Counter(
+            "vllm:external_prefix_cache_hits",
+            "Host KV tier hits, in terms of number of tokens loaded instead of computed.",
+            name,
+            registry=r,
+        ).labels(model_name)
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prefilled prompt tokens.", name, registry=r
         ).labels(model_name)
@@ -154,6 +167,9 @@ class EngineMetrics:
         if stats.num_prefix_cache_queries:
             self.prefix_cache_queries.inc(stats.num_prefix_cache_queries)
             self.prefix_cache_hits.inc(stats.num_prefix_cache_hits)
+        if stats.num_host_cache_queries:
+            self.external_prefix_cache_queries.inc(stats.num_host_cache_queries)
+            self.external_prefix_cache_hits.inc(stats.num_host_cache_hits)
         if stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions)
         if stats.num_padded_tokens:

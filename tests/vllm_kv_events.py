@@ -52,9 +52,12 @@ class KVEventBatch(EventBatch):
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
-def apply(index: set[Any], events: list[Any]) -> None:
-    """Replay events (records or decoded wire events) into a set of cached hashes."""
+def apply(index: set[Any], events: list[Any], medium: str = "GPU") -> None:
+    """Replay events (records or decoded wire events) of one medium ("GPU": the device cache,
+    "CPU": the host tier) into a set of cached hashes; AllBlocksCleared clears every medium."""
     for event in events:
+        if getattr(event, "medium", medium) != medium:
+            continue
         if type(event).__name__ == "BlockStored":
             index.update(event.block_hashes)
         elif type(event).__name__ == "BlockRemoved":

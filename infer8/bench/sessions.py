@@ -69,6 +69,8 @@ class LevelResult:
     tpot_p99_s: float | None
     output_tokens_per_s: float
     passed: bool
+    # TTFT of a returning session (turns after the first: the history may be cached), median
+    returning_ttft_p50_s: float | None = None
 
 
 def level_passes(results: list[RequestResult], slo: SessionSLO) -> tuple[bool, dict[str, Any]]:
@@ -131,6 +133,7 @@ async def run_level(
     start = time.perf_counter()
     window_start, window_end = start + slo.warmup_s, start + slo.warmup_s + slo.window_s
     in_window: list[RequestResult] = []
+    returning: list[RequestResult] = []  # of those, turns after a session's first
     rng = random.Random(config.seed + num_sessions)
 
     async def session_loop() -> None:
@@ -156,6 +159,8 @@ async def run_level(
                 )  # fmt: skip
                 if sent >= window_start:  # judged: every request sent in the window
                     in_window.append(result)
+                    if turn:
+                        returning.append(result)
                 if not result.success:
                     return  # a failed session stops: the level has failed anyway
                 messages.append({"role": "assistant", "content": result.generated_text})
@@ -166,6 +171,7 @@ async def run_level(
     await asyncio.gather(*tasks)  # the requests sent in the window run to their end
     passed, summary = level_passes(in_window, slo)
     tokens = sum(r.output_tokens for r in in_window if r.success)
+    ttft_returning = [r.ttft_s for r in returning if r.success and r.ttft_s is not None]
     return LevelResult(
         num_sessions=num_sessions,
         num_requests=len(in_window),
@@ -174,6 +180,7 @@ async def run_level(
         tpot_p99_s=summary["tpot_p99_s"],
         output_tokens_per_s=tokens / slo.window_s,
         passed=passed,
+        returning_ttft_p50_s=summarize(ttft_returning, "ttft")["ttft_p50_s"],
     )
 
 
@@ -196,7 +203,8 @@ async def find_max_sessions_async(
                 print(
                     f"sessions {level}: {'pass' if result.passed else 'FAIL'} "
                     f"(TTFT p99 {fmt(result.ttft_p99_s, 1e3)} ms, TPOT p99 "
-                    f"{fmt(result.tpot_p99_s, 1e3)} ms, {result.num_failed} failed, "
+                    f"{fmt(result.tpot_p99_s, 1e3)} ms, returning TTFT p50 "
+                    f"{fmt(result.returning_ttft_p50_s, 1e3)} ms, {result.num_failed} failed, "
                     f"{result.num_requests} requests)",
                     flush=True,
                 )
@@ -230,7 +238,7 @@ def format_sessions(result: dict[str, Any]) -> str:
         [
             str(r["num_sessions"]), "pass" if r["passed"] else "FAIL", str(r["num_requests"]),
             str(r["num_failed"]), fmt(r["ttft_p99_s"], 1e3, 0), fmt(r["tpot_p99_s"], 1e3, 0),
-            fmt(r["output_tokens_per_s"]),
+            fmt(r["output_tokens_per_s"]), fmt(r.get("returning_ttft_p50_s"), 1e3, 0),
         ]
         for r in sorted(result["levels"], key=lambda r: r["num_sessions"])
     ]  # fmt: skip
@@ -252,6 +260,7 @@ def format_sessions(result: dict[str, Any]) -> str:
                 "TTFT p99 ms",
                 "TPOT p99 ms",
                 "output tok/s",
+                "returning TTFT p50 ms",
             ],
             rows,
         )

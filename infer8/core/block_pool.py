@@ -7,6 +7,7 @@ import pickle
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from infer8.core.host_tier import BlockContent
 from infer8.core.kv_events import (
     AllBlocksCleared,
     BlockHash,
@@ -43,9 +44,15 @@ class BlockPool:
     With `enable_kv_cache_events`, every change to the set of cached hashes is recorded as a
     plain event (BlockStored / BlockRemoved / AllBlocksCleared) until `take_events`; replaying
     them in order rebuilds exactly `cached_block_hash_to_block`'s keys.
+
+    With `keep_evicted` (a host tier behind it), the cached blocks that `allocate` evicts are
+    kept as (block id, hash, content) until `take_evicted`: their K/V are still intact until
+    the step that reuses them runs, so they can be copied out first.
     """
 
-    def __init__(self, num_blocks: int, enable_kv_cache_events: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, enable_kv_cache_events: bool = False, keep_evicted: bool = False
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -56,6 +63,10 @@ class BlockPool:
         self._free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
+        self.keep_evicted = keep_evicted
+        self.evicted: list[tuple[int, BlockHash, BlockContent | None]] = []
+        # With events and a host tier: what each cached block holds, for the host's events.
+        self._block_contents: dict[int, BlockContent] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,7 +105,10 @@ class BlockPool:
             block_id, _ = self._free_block_ids.popitem(last=False)
             assert self.ref_cnts[block_id] == 0
             if self.block_hashes[block_id] is not None:
+                content = self._block_contents.get(block_id)
                 evicted.append(self._evict(block_id))
+                if self.keep_evicted:
+                    self.evicted.append((block_id, evicted[-1], content))
             self.ref_cnts[block_id] = 1
             block_ids.append(block_id)
         if self.enable_kv_cache_events and evicted:
@@ -150,6 +164,13 @@ class BlockPool:
             newly_cached.append(i)
         if self.enable_kv_cache_events and newly_cached:
             assert block_token_ids is not None, "events need the blocks' tokens"
+            if self.keep_evicted:
+                for i in newly_cached:
+                    self._block_contents[block_ids[i]] = BlockContent(
+                        block_hashes[i - 1] if i else parent_block_hash,
+                        list(block_token_ids[i]),
+                        block_extra_keys[i] if block_extra_keys else None,
+                    )
             self._record_stored(
                 newly_cached, block_hashes, parent_block_hash, block_token_ids, block_extra_keys
             )
@@ -195,6 +216,16 @@ class BlockPool:
                 self.kv_event_queue.append(AllBlocksCleared())
         return len(dropped)
 
+    def record_event(self, event: KVCacheEvent) -> None:
+        """Append another tier's event to the queue, in order with this pool's own."""
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(event)
+
+    def take_evicted(self) -> list[tuple[int, BlockHash, BlockContent | None]]:
+        """Return the cached blocks evicted since the last call (id, hash, content), in order."""
+        evicted, self.evicted = self.evicted, []
+        return evicted
+
     def take_events(self) -> list[KVCacheEvent]:
         """Return the events recorded since the last call, oldest first, and forget them."""
         events, self.kv_event_queue = self.kv_event_queue, []
@@ -206,4 +237,5 @@ class BlockPool:
         assert block_hash is not None, f"block {block_id} is not cached"
         del self.cached_block_hash_to_block[block_hash]
         self.block_hashes[block_id] = None
+        self._block_contents.pop(block_id, None)
         return block_hash

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from infer8.core.block_pool import BlockHash, BlockPool, hash_block_tokens
+from infer8.core.host_tier import HostKVTier, HostTransfers
 from infer8.core.kv_events import KVCacheEvent
 from infer8.request import Request
 
@@ -21,6 +22,9 @@ class KVCacheManager:
     the tokens it holds, as soon as the step is scheduled: the model writes all of a step's
     K/V before any attention reads them (per layer), so a request admitted in the same step
     may already read them. `get_computed_blocks` finds a new request's longest cached prefix.
+
+    With `num_host_blocks` (and caching), evicted cached blocks go to a host-memory tier
+    (core/host_tier.py) and `get_host_hits` continues a prefix lookup there.
     """
 
     def __init__(
@@ -29,10 +33,20 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         enable_kv_cache_events: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_kv_cache_events and enable_caching)
+        use_host = enable_caching and num_host_blocks > 0
+        self.block_pool = BlockPool(
+            num_blocks, enable_kv_cache_events and enable_caching, keep_evicted=use_host
+        )
+        self.host_tier: HostKVTier | None = None
+        if use_host:
+            record = (
+                self.block_pool.record_event if self.block_pool.enable_kv_cache_events else None
+            )
+            self.host_tier = HostKVTier(num_host_blocks, record)
         self.req_to_block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request's table are registered in the prefix cache.
         self.req_to_num_cached_blocks: dict[str, int] = {}
@@ -100,30 +114,53 @@ class KVCacheManager:
             block_ids.append(block_id)
         return block_ids, len(block_ids) * self.block_size
 
+    def get_host_hits(self, request: Request, num_device_blocks: int) -> list[int]:
+        """Return the host slots that continue a prefix after its first `num_device_blocks`
+        device hits (empty without a host tier); the same last-token rule applies."""
+        if self.host_tier is None:
+            return []
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self.block_hashes(request, max_num_blocks)
+        return self.host_tier.lookup(hashes[num_device_blocks:])
+
     def allocate_slots(
-        self, request: Request, num_tokens: int, new_computed_block_ids: Sequence[int] = ()
+        self,
+        request: Request,
+        num_tokens: int,
+        new_computed_block_ids: Sequence[int] = (),
+        host_hit_slots: Sequence[int] = (),
     ) -> list[int] | None:
         """Grow the request's table to hold `num_tokens` tokens; None (nothing taken) if short.
 
-        `new_computed_block_ids` (a new request's prefix hits) go first in its table. Blocks
-        that the step fills are registered in the prefix cache.
+        `new_computed_block_ids` (a new request's prefix hits) go first in its table, then
+        fresh blocks for `host_hit_slots` (its host-tier hits, loaded this step). Blocks that
+        the step fills are registered in the prefix cache.
         """
         block_ids = self.req_to_block_ids.get(request.request_id, [])
         assert not (block_ids and new_computed_block_ids), "prefix hits only for a new table"
+        assert not (block_ids and host_hit_slots), "host hits only for a new table"
         num_new = max(
             0, cdiv(num_tokens, self.block_size) - len(block_ids) - len(new_computed_block_ids)
         )
+        assert len(host_hit_slots) <= num_new
         # Hits nobody holds now leave the free queue: they count against it too.
         num_free_hits = sum(1 for b in new_computed_block_ids if self.block_pool.is_free(b))
         if num_new + num_free_hits > self.block_pool.num_free_blocks:
             return None
         self.block_pool.touch(new_computed_block_ids)
+        if self.host_tier is not None:
+            self.host_tier.pin(host_hit_slots)  # before this allocation's evictions save
         new_block_ids = self.block_pool.allocate(num_new)
+        if self.host_tier is not None:
+            for block_id, block_hash, content in self.block_pool.take_evicted():
+                self.host_tier.save(block_id, block_hash, content)
+            self.host_tier.load(host_hit_slots, new_block_ids[: len(host_hit_slots)])
         block_ids = self.req_to_block_ids.setdefault(request.request_id, [])
         block_ids.extend(new_computed_block_ids)
         block_ids.extend(new_block_ids)
         if self.enable_caching:
             if new_computed_block_ids:
+                # host hits are registered below with the blocks this step fills
                 self.req_to_num_cached_blocks[request.request_id] = len(new_computed_block_ids)
             self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
         return new_block_ids
@@ -162,8 +199,17 @@ class KVCacheManager:
         # Free in reverse so the tail blocks, least likely to be shared later, are evicted first.
         self.block_pool.free(block_ids[::-1])
 
+    def take_host_transfers(self) -> HostTransfers:
+        """Return this step's copies to and from the host tier (none without one)."""
+        if self.host_tier is None:
+            return HostTransfers([], [], [], [])
+        return self.host_tier.take_transfers()
+
     def reset_prefix_cache(self) -> int:
-        """Drop every cached block that no running request holds; return how many."""
+        """Drop every cached block that no running request holds, and the host tier's; return
+        how many device blocks were dropped."""
+        if self.host_tier is not None:
+            self.host_tier.clear()  # first: an AllBlocksCleared after it is true of every medium
         return self.block_pool.reset_prefix_cache()
 
     def take_events(self) -> list[KVCacheEvent]:

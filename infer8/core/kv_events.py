@@ -12,6 +12,11 @@ from dataclasses import dataclass
 # A block's sha256 chain digest (infer8/core/block_pool.py's BlockHash).
 BlockHash = bytes
 
+# Where a block's K/V are held, in vLLM's words: the device KV cache ("GPU", whatever the
+# device) or the host-memory tier (infer8/core/host_tier.py).
+MEDIUM_DEVICE = "GPU"
+MEDIUM_HOST = "CPU"
+
 
 @dataclass(frozen=True)
 class BlockStored:
@@ -23,6 +28,7 @@ class BlockStored:
     block_size: int
     # Per block, the extra keys its hash covers besides its tokens (a cache_salt), or None.
     extra_keys: list[tuple[object, ...] | None]
+    medium: str = MEDIUM_DEVICE
 
 
 @dataclass(frozen=True)
@@ -30,11 +36,12 @@ class BlockRemoved:
     """Blocks are no longer reusable (evicted, or dropped by a prefix-cache reset)."""
 
     block_hashes: list[BlockHash]
+    medium: str = MEDIUM_DEVICE
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    """No block is reusable any more (every cached prefix was dropped)."""
+    """No block is reusable any more, in any medium (every cached prefix was dropped)."""
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -43,6 +43,13 @@ class SchedulerOutput:
     # The tokens sampled in the previous step (req_id -> token id), for requests the runner
     # already knows: every rank appends them before building this step's inputs.
     new_token_ids: dict[str, int] = field(default_factory=dict)
+    # The host KV tier's copies, done before the step writes any block, saves first: device
+    # block host_save_block_ids[i] -> host slot host_save_slots[i], then host slot
+    # host_load_slots[i] -> device block host_load_block_ids[i] (core/host_tier.py).
+    host_save_block_ids: list[int] = field(default_factory=list)
+    host_save_slots: list[int] = field(default_factory=list)
+    host_load_slots: list[int] = field(default_factory=list)
+    host_load_block_ids: list[int] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -80,6 +87,10 @@ class SchedulerStats:
     # Prefix caching, over requests admitted for the first time this step (vLLM's counters).
     num_prefix_cache_queries: int = 0  # prompt tokens looked up
     num_prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
+    # The host KV tier (vLLM's external prefix cache counters): tokens looked up there after
+    # the device cache, and tokens found (loaded, not computed).
+    num_host_cache_queries: int = 0
+    num_host_cache_hits: int = 0
     step_time_s: float = 0.0
     scheduled_req_ids: list[str] = field(default_factory=list)
     admitted_req_ids: list[str] = field(default_factory=list)

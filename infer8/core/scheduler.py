@@ -200,13 +200,15 @@ class Scheduler(SchedulerBase):
         ):
             request = self.waiting[0]
             assert request.num_computed_tokens == 0  # new, or preempted and recomputed
-            # The longest cached prefix (a preempted request often finds its own blocks again).
-            computed_block_ids, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            # The longest cached prefix (a preempted request often finds its own blocks again),
+            # continued in the host tier (those blocks are loaded, not computed).
+            kv = self.kv_cache_manager
+            computed_block_ids, num_device_computed = kv.get_computed_blocks(request)
+            host_slots = kv.get_host_hits(request, len(computed_block_ids))
+            num_computed = num_device_computed + len(host_slots) * kv.block_size
             num_new = min(request.num_tokens - num_computed, token_budget)
             if (
-                self.kv_cache_manager.allocate_slots(
-                    request, num_computed + num_new, computed_block_ids
-                )
+                kv.allocate_slots(request, num_computed + num_new, computed_block_ids, host_slots)
                 is None
             ):
                 break
@@ -215,18 +217,33 @@ class Scheduler(SchedulerBase):
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._stats.admitted_req_ids.append(request.request_id)
-            self._record_prefix_cache_query(request, num_computed)
+            self._record_prefix_cache_query(request, num_device_computed, num_computed)
             self._schedule_request(out, request, num_new)
             token_budget -= num_new
 
+        self._take_host_transfers(out)
         self._stats.num_scheduled_tokens = out.total_num_scheduled_tokens
         return out
 
-    def _record_prefix_cache_query(self, request: Request, num_cached_tokens: int) -> None:
-        """Count a new request's prefix lookup in tokens (vLLM leaves preempted ones out)."""
+    def _take_host_transfers(self, out: SchedulerOutput) -> None:
+        """Put the step's copies to and from the host tier into its output."""
+        transfers = self.kv_cache_manager.take_host_transfers()
+        out.host_save_block_ids = transfers.save_block_ids
+        out.host_save_slots = transfers.save_slots
+        out.host_load_slots = transfers.load_slots
+        out.host_load_block_ids = transfers.load_block_ids
+
+    def _record_prefix_cache_query(
+        self, request: Request, num_device_tokens: int, num_cached_tokens: int
+    ) -> None:
+        """Count a new request's prefix lookup in tokens (vLLM leaves preempted ones out): the
+        device cache's hits, then what the host tier was asked and found."""
         if self.kv_cache_manager.enable_caching and request.num_preemptions == 0:
             self._stats.num_prefix_cache_queries += request.num_tokens
-            self._stats.num_prefix_cache_hits += num_cached_tokens
+            self._stats.num_prefix_cache_hits += num_device_tokens
+            if self.kv_cache_manager.host_tier is not None:
+                self._stats.num_host_cache_queries += request.num_tokens - num_device_tokens
+                self._stats.num_host_cache_hits += num_cached_tokens - num_device_tokens
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Free a running request's blocks and requeue it at the front for recomputation.

@@ -48,6 +48,8 @@ HELP: dict[str, str] = {
     "--block-size); None = auto: 4 where the tail is on",
     "kv_cache_hadamard": "FP8 cache: Hadamard-rotate K/q and V/output per head before "
     "quantizing; None = auto: on for dynamic scales where the tail is on by default",
+    "kv_offloading_size": "GiB of host memory (pinned on CUDA) that keeps prefix blocks evicted "
+    "from the KV cache; a later hit copies them back instead of recomputing (None/0 = off)",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes across requests "
     "(ignored by --scheduler static)",
     "max_num_seqs": "most requests in one batch",

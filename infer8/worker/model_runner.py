@@ -18,6 +18,7 @@ from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.models.llama import LlamaForCausalLM
 from infer8.worker.block_tables import BlockTables
 from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache
+from infer8.worker.kv_offload import HostKVCache
 from infer8.worker.sampler import Sampler, SamplingState
 from infer8.worker.tail_seats import SinkSlots, TailRows
 
@@ -38,11 +39,13 @@ class ModelRunner:
         seed: int = 0,
         is_driver: bool = True,
         exact_tail: KVCacheSpec | None = None,
+        host_kv_cache: HostKVCache | None = None,
     ) -> None:
         # A tensor-parallel worker (is_driver False) runs the model but leaves sampling to rank 0.
         self.is_driver = is_driver
         self.model = model
         self.kv_caches = kv_caches
+        self.host_kv_cache = host_kv_cache  # the host-memory tier (--kv-offloading-size)
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed)
@@ -105,6 +108,16 @@ class ModelRunner:
         self.block_tables.clear()
         self.release_tail()
 
+    def _transfer_host_blocks(self, sched: SchedulerOutput) -> None:
+        """Do the host tier's copies before the step writes any block: saves, then loads."""
+        if not sched.host_save_block_ids and not sched.host_load_slots:
+            return
+        assert self.host_kv_cache is not None, "host copies without a host tier"
+        self.host_kv_cache.save(self.kv_caches, sched.host_save_block_ids, sched.host_save_slots)
+        self.host_kv_cache.load(self.kv_caches, sched.host_load_slots, sched.host_load_block_ids)
+        if self.sink_slots is not None:  # a loaded first block brings no exact sinks back
+            self.sink_slots.forget(sched.host_load_block_ids)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step of the model over the scheduled tokens and sample where due."""
@@ -118,6 +131,7 @@ class ModelRunner:
         for req_id in sched.finished_req_ids + sched.preempted_req_ids:
             self.block_tables.remove(req_id)
         self.release_tail(sched.finished_req_ids + sched.preempted_req_ids)
+        self._transfer_host_blocks(sched)
         for new in sched.scheduled_new_reqs:
             self.block_tables.remove(new.req_id)  # a resumed request's blocks start afresh
             p = new.sampling_params

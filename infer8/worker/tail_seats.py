@@ -80,6 +80,15 @@ class SinkSlots:
                 return slot
         raise AssertionError("every sink slot is read by a running request")
 
+    def forget(self, block_ids: list[int]) -> None:
+        """Drop the sinks keyed by these blocks: they now hold other K/V (copied in from the
+        host tier), so a hit on them reads its sinks quantized."""
+        for block_id in block_ids:
+            slot = self._by_block.pop(block_id, None)
+            if slot is not None:
+                assert not self._pins.get(slot), "a block some request reads was overwritten"
+                self._free.append(slot)
+
     def release(self, req_ids: list[str]) -> None:
         """Unpin the slots of finished or preempted requests (their sinks stay for hits)."""
         for req_id in req_ids:

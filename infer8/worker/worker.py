@@ -39,6 +39,7 @@ from infer8.worker.kv_cache import (
     allocate_kv_cache,
     populate_in_background,
 )
+from infer8.worker.kv_offload import HostKVCache, num_host_blocks_for
 from infer8.worker.memory import (
     GiB,
     MemoryPlan,
@@ -160,6 +161,8 @@ class Worker:
         # CPU: the cache maps lazily; its pages are faulted in ahead of use, in idle CPU time
         self.kv_populate = populate_in_background(self.kv_caches)
         self.kv_scale_source = self._setup_kv_scales(ckpt_kv_scales)
+        self.host_kv_cache = self._allocate_host_tier(device)
+        self.num_host_blocks = 0 if self.host_kv_cache is None else self.host_kv_cache.num_blocks
         if self.is_driver:
             print(self._describe_kv_cache(), flush=True)
         self.model: LlamaForCausalLM = model
@@ -171,6 +174,7 @@ class Worker:
             seed=model_config.seed,
             is_driver=self.is_driver,
             exact_tail=self.kv_spec,
+            host_kv_cache=self.host_kv_cache,
         )
         if kernels is not None:  # CPU logits (float32 from compute_logits): a native argmax
             self.runner.sampler.greedy = kernels.greedy
@@ -264,6 +268,22 @@ class Worker:
                 used / GiB, self.memory_plan.utilization, total_bytes / GiB, budget / GiB,
             )  # fmt: skip
 
+    def _allocate_host_tier(self, device: torch.device) -> HostKVCache | None:
+        """Allocate the host-memory tier of --kv-offloading-size (None when off)."""
+        cfg = self.cache_config
+        world_size = 1 if self.tp_group is None else self.tp_group.world_size
+        num_blocks = num_host_blocks_for(cfg.kv_offloading_size, self.kv_spec, world_size)
+        if self.tp_group is not None:  # every rank must hold every slot the scheduler hands out
+            num_blocks = min(self.tp_group.exchange("num_host_blocks", num_blocks))
+        if num_blocks == 0 or not cfg.enable_prefix_caching:
+            if cfg.kv_offloading_size and self.is_driver:
+                reason = "holds no block" if cfg.enable_prefix_caching else "needs prefix caching"
+                logger.warning(
+                    "--kv-offloading-size %s is off: it %s", cfg.kv_offloading_size, reason
+                )
+            return None
+        return HostKVCache.allocate(self.kv_spec, num_blocks, device)
+
     def _graph_reserve_bytes(self, model: LlamaForCausalLM) -> int:
         """Return the decode graphs' reserve from this rank's shapes (see memory.py)."""
         from infer8.worker.cuda_graphs import batch_buckets
@@ -292,7 +312,14 @@ class Worker:
             f"KV cache: {gib:.2f} GiB {fp8.kv_dtype_name(self.kv_spec.dtype)}, room for "
             f"{capacity_tokens:,} tokens = {self.num_blocks / per_request_blocks:.2f} requests of "
             f"{self.max_model_len:,} tokens (the longest allowed), in {self.num_blocks:,} blocks "
-            f"of {block_size}" + describe_exact_tail(self.kv_spec, self.num_tail_rows)
+            f"of {block_size}"
+            + describe_exact_tail(self.kv_spec, self.num_tail_rows)
+            + (
+                f"; host tier (--kv-offloading-size): {self.num_host_blocks:,} blocks, "
+                f"{self.num_host_blocks * self.kv_spec.bytes_per_block / GiB:.2f} GiB"
+                if self.num_host_blocks
+                else ""
+            )
         )
 
     def _setup_kv_scales(self, ckpt_scales: dict[int, dict[str, torch.Tensor]]) -> str:

@@ -140,3 +140,51 @@ def test_subscriber_index_equals_the_block_pool(
                 assert block_hash == expected
                 parent = block_hash
     assert msgspec.msgpack.decode(live[0][2])[2] == 0  # data_parallel_rank
+
+
+def test_host_tier_events_replay_to_the_host_tier(llama_dir: Path, tmp_path: Path) -> None:
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"ipc://{tmp_path}/kv-events",
+        "replay_endpoint": f"ipc://{tmp_path}/kv-replay",
+    }
+    llm = LLM(
+        str(llama_dir),
+        dtype="float32",
+        block_size=8,
+        kv_cache_memory_bytes=12 * BYTES_PER_BLOCK_8,
+        max_model_len=96,
+        max_num_seqs=4,
+        kv_events_config=json.dumps(config),
+        kv_offloading_size=10 * BYTES_PER_BLOCK_8 / (1 << 30),  # 10 blocks: its LRU drops some
+    )
+    ctx = zmq.Context()
+    try:
+        _run_workload(llm)
+        # After the engine reset: two fillers push p2 out to host (and older blocks out of
+        # it), then p2 comes back from host.
+        p2 = [300 - t for t in PREFIX]
+        fillers = [[7 + (i * 11 + k) % 280 for i in range(43)] for k in (1, 2)]
+        for prompt in (p2 + [40], *fillers, p2 + [42]):
+            llm.generate([prompt], PARAMS, use_tqdm=False)
+        batches = [
+            DECODER.decode(payload) for _, payload in _replay_all(ctx, config["replay_endpoint"])
+        ]
+    finally:
+        llm.engine.shutdown()
+        ctx.term()
+    events = [e for b in batches for e in b.events]
+    host_stored = [e for e in events if type(e).__name__ == "BlockStored" and e.medium == "CPU"]
+    host_removed = [e for e in events if type(e).__name__ == "BlockRemoved" and e.medium == "CPU"]
+    assert host_stored and host_removed
+    assert all(len(e.token_ids) == 8 * len(e.block_hashes) for e in host_stored)
+    device, host = set(), set()
+    for batch in batches:
+        apply(device, batch.events, "GPU")
+        apply(host, batch.events, "CPU")
+    manager = llm.engine.kv_cache_manager
+    assert manager.host_tier is not None and manager.host_tier.num_cached_blocks == 10
+    assert device == {low64(h) for h in manager.block_pool.cached_block_hash_to_block}
+    assert host == {low64(h) for h in manager.host_tier.hash_to_slot}
+    assert manager.host_tier.num_loaded_blocks > 0  # prefixes came back from host too

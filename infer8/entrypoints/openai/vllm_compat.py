@@ -161,6 +161,13 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
         ok_values=tuple(str(i) for i in range(21)),
     ),
     CompatFlag(
+        "--kv-offloading-backend",
+        "refused",
+        "the host-memory tier of --kv-offloading-size is infer8's own (vLLM's native); "
+        "LMCache is not supported",
+        ok_values=("native",),
+    ),
+    CompatFlag(
         "--scheduling-policy",
         "refused",
         "infer8 schedules first come, first served",
@@ -245,6 +252,11 @@ NATIVE_FLAGS: tuple[tuple[str, str], ...] = (
         "at 4 GiB unless --kv-cache-memory-bytes is given",
     ),
     ("--enable-prefix-caching / --no-enable-prefix-caching", "on by default"),
+    (
+        "--kv-offloading-size",
+        "as in vLLM (GiB of host memory; the native backend): evicted prefix blocks are kept "
+        "there and copied back on a hit",
+    ),
     ("--max-num-seqs, --max-num-batched-tokens", "as in vLLM"),
     ("--tensor-parallel-size, -tp", "one process per device"),
     (
