@@ -4,8 +4,9 @@
 
 Tells Python-heap growth (tracemalloc sees it) from allocator or native growth (RSS and glibc's
 heap grow while tracemalloc stays flat). Every --every-s: RSS, tracemalloc's traced bytes,
-glibc's mallinfo2 (bytes in use vs free in the heap), object counts by type, and the top
-allocation sites that grew since the first snapshot (taken after a warm-up). Serve flags default
+glibc's mallinfo2 (bytes in use vs free in the heap), RSS before and after a malloc_trim(0)
+(freed heap pages still resident since the server's last trim), object counts by type, and the
+top allocation sites that grew since the first snapshot (taken after a warm-up). Serve flags default
 to the soak's: a 256 MiB KV cache, --max-num-seqs 16, --max-waiting-requests 32.
 A script's own folder, not the working directory, comes first on sys.path: where infer8 is
 installed from another checkout, run it with PYTHONPATH=. to trace this one.
