@@ -4,8 +4,9 @@
 
 Tells Python-heap growth (tracemalloc sees it) from allocator or native growth (RSS and glibc's
 heap grow while tracemalloc stays flat). Every --every-s: RSS, tracemalloc's traced bytes,
-glibc's mallinfo2 (bytes in use vs free in the heap), object counts by type, and the top
-allocation sites that grew since the first snapshot (taken after a warm-up). Serve flags default
+glibc's mallinfo2 (bytes in use vs free in the heap), RSS before and after a malloc_trim(0)
+(freed heap pages still resident since the server's last trim), object counts by type, and the
+top allocation sites that grew since the first snapshot (taken after a warm-up). Serve flags default
 to the soak's: a 256 MiB KV cache, --max-num-seqs 16, --max-waiting-requests 32.
 A script's own folder, not the working directory, comes first on sys.path: where infer8 is
 installed from another checkout, run it with PYTHONPATH=. to trace this one.
@@ -61,6 +62,22 @@ def mallinfo_mb() -> dict[str, float]:
         "free_mb": info.fordblks / 1e6,
         "mmap_mb": info.hblkhd / 1e6,
     }
+
+
+def trim_report() -> str:
+    """Call malloc_trim(0) and say how much RSS it gave back: what stayed resident in freed
+    heap memory since the server's last trim (fragmentation), as opposed to memory in use."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return "malloc_trim: not available"
+    before_mb = rss_mb()
+    start_s = time.perf_counter()
+    trim(0)
+    took_ms = 1e3 * (time.perf_counter() - start_s)
+    after_mb = rss_mb()
+    return f"malloc_trim(0): RSS {before_mb:.1f} -> {after_mb:.1f} MB in {took_ms:.1f} ms"
 
 
 def rss_mb() -> float:
@@ -138,12 +155,12 @@ def report(
     traced_mb = tracemalloc.get_traced_memory()[0] / 1e6
     heap = " ".join(f"{k} {v:.1f}" for k, v in mallinfo_mb().items())
     print(f"\n=== t={t_s / 60:.1f} min  RSS {rss_mb():.1f} MB  traced {traced_mb:.1f} MB  {heap}")
+    print(trim_report())
     grown = sorted(((n, types[n] - base_types.get(n, 0)) for n in types), key=lambda x: -x[1])[:10]
     print("objects grown:", ", ".join(f"{n} +{d}" for n, d in grown if d > 0))
-    stats = snap.compare_to(base, "traceback")
-    for stat in stats[:top]:
-        if stat.size_diff <= 0:
-            break
+    stats = snap.compare_to(base, "traceback")  # sorted by the size of the change, +/-
+    grown_sites = sorted((s for s in stats if s.size_diff > 0), key=lambda s: -s.size_diff)
+    for stat in grown_sites[:top]:
         frames = " <- ".join(
             f"{Path(f.filename).name}:{f.lineno}" for f in stat.traceback[-1:-6:-1]
         )

@@ -36,9 +36,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """Return one of /proc/PID/status's memory fields (VmRSS, RssAnon, RssFile) in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -209,6 +210,8 @@ def main() -> None:
                 {
                     "t_s": round(time.monotonic() - start, 1),
                     "rss_mb": rss_bytes(server_pid) / 1e6,
+                    "rss_anon_mb": rss_bytes(server_pid, "RssAnon") / 1e6,
+                    "rss_file_mb": rss_bytes(server_pid, "RssFile") / 1e6,
                     "running": metric(text, "vllm:num_requests_running"),
                     "waiting": metric(text, "vllm:num_requests_waiting"),
                     "kv_usage": metric(text, "vllm:kv_cache_usage_perc"),
