@@ -4,8 +4,9 @@ A roofline model from the shapes alone: what the kernels issue (tl.dot multiplie
 max(16, group) query rows per program, padding included) and what they move (the KV read from
 memory, the rest mostly from L2). With rotated keys (the FP8 default) it counts the Hadamard
 rotation of q and of the output where it runs: in every (sequence, KV head, split) program, as
-the kernels once did (`rotate_in_splits`), or once per token before the kernel and once per
-output after the reduce, as the launcher does with more than one split.
+the kernels once did (`rotate_in_splits`), or with more than one split once per sequence in
+rotate_q_kernel before the decode kernel and in reduce_kernel after the combine, 16 query heads
+per program (tl.dot's smallest row count).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 F32_BYTES = 4
+ROTATION_BLOCK_H = 16  # query heads per program of rotate_q_kernel and reduce_kernel's ROTATE
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,8 @@ def decode_cost(
 
     Every context uses all num_splits splits (long contexts do). rotate_in_splits: the
     rotation runs in each of the num_seqs x num_kv_heads x num_splits programs on BLOCK_G rows
-    (the kernels' old placement); otherwise it runs where the launcher puts it: in the program
-    with one split, before the kernel and after the reduce with several.
+    (the kernels' old placement); otherwise where the kernels run it now: in the program with
+    one split; with several, in the q-rotation and reduce programs (each reads the matrix).
     """
     group = num_heads // num_kv_heads
     block_g = max(16, _next_power_of_2(group))
@@ -75,11 +77,11 @@ def decode_cost(
         programs = num_seqs * num_kv_heads * num_splits
         rotation_flops = 2 * programs * 2 * block_g * head_dim * head_dim
         rotation_bytes = 2 * programs * matrix_bytes
-    elif rotated:  # q gathered, rotated, written; the float32 output written, read, rotated
-        rows = num_seqs * num_heads
-        rotation_flops = 2 * 2 * rows * head_dim * head_dim
-        rotation_bytes = 2 * rows * head_dim * (model_bytes_per_element + F32_BYTES)
-        rotation_bytes += 2 * matrix_bytes
+    elif rotated:  # q read, rotated, written compact; the reduce rotates before its store
+        programs = num_seqs * -(-num_heads // ROTATION_BLOCK_H)  # per kernel
+        rotation_flops = 2 * programs * 2 * ROTATION_BLOCK_H * head_dim * head_dim
+        rotation_bytes = 2 * num_seqs * num_heads * head_dim * model_bytes_per_element
+        rotation_bytes += 2 * programs * matrix_bytes
     return DecodeCost(
         attention_flops, rotation_flops, kv_bytes, qo_bytes + partial_bytes + rotation_bytes
     )

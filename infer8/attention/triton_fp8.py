@@ -1,5 +1,6 @@
 """FP8 in the Triton kernels: rounding to a format's grid, per-row quantization (dynamic or
-static scales), the Hadamard rotation of rows, and the quantize-on-write kernel.
+static scales), the Hadamard rotation of rows, the quantize-on-write kernel and the rotation of
+decode queries ahead of the split decode kernels.
 
 Everything here rounds the way torch does, so the kernels' stored bytes are bit-identical to
 the reference's (tests/gpu/test_triton_kernels.py), on a GPU and under TRITON_INTERPRET=1.
@@ -207,3 +208,42 @@ def write_kv_kernel(
                 tl.atomic_add(saturated_ptr, num_clipped)
         tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotate_q_kernel(
+    q_ptr,
+    out_ptr,
+    token_idx_ptr,
+    rot_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    num_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    X_MODE: tl.constexpr,
+):
+    """Rotate BLOCK_H heads of decode sequence b's query row q[token_idx[b]] into out[b].
+
+    In fp32, rounded once to q's dtype as exact_tail.rotate rounds: the split decode kernels
+    then read the rotated queries from a compact [num_seqs, num_heads, head_dim] buffer.
+    """
+    b = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < head_dim)
+    token = tl.load(token_idx_ptr + b).to(tl.int64)
+    q = tl.load(
+        q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)  # [BLOCK_H, BLOCK_D]
+    q = round_to_model(rotate_rows(q, rot_ptr, head_dim, BLOCK_D), X_MODE)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+        q.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from infer8.attention.triton_fp8 import rotate_rows
+from infer8.attention.triton_fp8 import rotate_rows, round_to_model
 from infer8.attention.triton_tail import load_residual, seq_tail, tail_exact, tile_has_tail
 
 
@@ -132,6 +132,7 @@ def decode_kernel(
     DOT_DTYPE: tl.constexpr,
     HAS_TAIL: tl.constexpr,
     ROTATE: tl.constexpr,
+    COMPACT_Q: tl.constexpr,
 ):
     """One split of one sequence's context for the GROUP query heads of one KV head.
 
@@ -140,9 +141,10 @@ def decode_kernel(
     log-sum-exp (base 2) for reduce_kernel. How a context is split depends only on its own
     length and the grid's split count, never on the batch: eager steps and CUDA-graph replays
     of any bucket compute the same numbers. HAS_TAIL: an FP8 cache's exact tail (triton_tail.py)
-    corrects the scores and output at its positions; ROTATE (DIRECT only: a split grid gets q
-    rotated once per token and rotates after the reduce): q is rotated in and the output
-    rotated back (Hadamard-rotated keys and values).
+    corrects the scores and output at its positions; ROTATE (DIRECT only: a split grid reads q
+    rotated once per sequence by rotate_q_kernel and reduce_kernel rotates the output): q is
+    rotated in and the output rotated back (Hadamard-rotated keys and values). COMPACT_Q:
+    sequence b's query is row b of q, not row token_idx[b] (the rotated queries).
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -158,8 +160,9 @@ def decode_kernel(
     mask_g = offs_g < GROUP
     mask_d = offs_d < head_dim
     heads = kv_head * GROUP + offs_g
+    q_row = b.to(tl.int64) if COMPACT_Q else token
     q = tl.load(
-        q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=mask_g[:, None] & mask_d[None, :],
         other=0.0,
     ).to(tl.float32)  # [BLOCK_G, BLOCK_D]
@@ -221,7 +224,7 @@ def decode_kernel(
         static_off = kv_head * stride_static_h + offs_d * stride_static_d
         acc = acc * tl.load(v_static_ptr + static_off, mask=mask_d, other=0.0)[None, :]
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty sequence (padding) gives zeros
-    if ROTATE:  # H is its own inverse (with several splits the launcher rotates instead)
+    if ROTATE:  # H is its own inverse (with several splits reduce_kernel rotates instead)
         out = rotate_rows(out, rot_ptr, head_dim, BLOCK_D)
     mask_out = mask_g[:, None] & mask_d[None, :]
     if DIRECT:
@@ -250,32 +253,11 @@ def _split_size(seq_len, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def reduce_kernel(
-    mid_out_ptr,
-    mid_lse_ptr,
-    out_ptr,
-    token_idx_ptr,
-    seq_lens_ptr,
-    stride_mb,
-    stride_mh,
-    stride_ms,
-    stride_lb,
-    stride_lh,
-    stride_ot,
-    stride_oh,
-    head_dim,
-    num_splits,
-    min_split_tokens,
-    BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Combine one (sequence, query head)'s split partials by their log-sum-exp weights."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    token = tl.load(token_idx_ptr + b).to(tl.int64)
-    num_used = tl.cdiv(seq_len, _split_size(seq_len, num_splits, min_split_tokens, BLOCK_N))
+def _combine_splits(
+    mid_out_ptr, mid_lse_ptr, b, h, num_used, stride_mb, stride_mh, stride_ms, stride_lb,
+    stride_lh, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Return query head h of sequence b: its num_used split partials by their LSE weights."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < num_used
@@ -292,12 +274,70 @@ def reduce_kernel(
         other=0.0,
     )  # [BLOCK_S, BLOCK_D]
     total = tl.sum(w, axis=0)
-    out = tl.sum(partial * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + token * stride_ot + h * stride_oh + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=mask_d,
-    )
+    return tl.sum(partial * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+
+
+@triton.jit
+def reduce_kernel(
+    mid_out_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    token_idx_ptr,
+    seq_lens_ptr,
+    rot_ptr,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    head_dim,
+    num_splits,
+    min_split_tokens,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROTATE: tl.constexpr,
+    X_MODE: tl.constexpr,
+):
+    """Combine sequence b's split partials by their log-sum-exp weights into out[token_idx[b]].
+
+    One query head per program, or with ROTATE (Hadamard-rotated values) BLOCK_H heads: their
+    fp32 outputs are rotated back in fp32 and rounded once to out's dtype.
+    """
+    b = tl.program_id(0)
+    seq_len = tl.load(seq_lens_ptr + b)
+    token = tl.load(token_idx_ptr + b).to(tl.int64)
+    num_used = tl.cdiv(seq_len, _split_size(seq_len, num_splits, min_split_tokens, BLOCK_N))
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    mids = (mid_out_ptr, mid_lse_ptr, b)
+    strides = (stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, head_dim)
+    if ROTATE:
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        rows = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+        for i in range(0, BLOCK_H):
+            # a head past the last repeats it: its row is rotated on its own, never stored
+            h = tl.minimum(tl.program_id(1) * BLOCK_H + i, num_heads - 1)
+            out = _combine_splits(*mids, h, num_used, *strides, BLOCK_S, BLOCK_D)
+            rows = tl.where((tl.arange(0, BLOCK_H) == i)[:, None], out[None, :], rows)
+        rows = round_to_model(rotate_rows(rows, rot_ptr, head_dim, BLOCK_D), X_MODE)
+        tl.store(
+            out_ptr + token * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+            rows.to(out_ptr.dtype.element_ty),
+            mask=(offs_h[:, None] < num_heads) & mask_d[None, :],
+        )
+    else:
+        h = tl.program_id(1)
+        out = _combine_splits(*mids, h, num_used, *strides, BLOCK_S, BLOCK_D)
+        tl.store(
+            out_ptr + token * stride_ot + h * stride_oh + offs_d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask_d,
+        )
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import triton.language as tl
 from infer8.attention.backend import write_then_attend
 from infer8.attention.exact_tail import rotate
 from infer8.attention.metadata import AttentionMetadata
-from infer8.attention.triton_fp8 import X_MODES, grid_constants, write_kv_kernel
+from infer8.attention.triton_fp8 import X_MODES, grid_constants, rotate_q_kernel, write_kv_kernel
 from infer8.attention.triton_kernels import decode_kernel, prefill_kernel, reduce_kernel
 from infer8.attention.triton_tail import (
     TritonTailStep,
@@ -210,8 +210,9 @@ def paged_decode_attention(
     block_tables: [B, max_blocks]. Each context is cut into at most num_splits splits
     (flash-decoding). tail: the exact tail's step tables and this step's residuals
     (triton_tail.py). Rotated keys: with one split the program rotates q and its output; with
-    several, q is rotated once per token before the kernel and the output once after the
-    reduce (rotating in every split program would cost num_splits times the work).
+    several, rotate_q_kernel rotates each sequence's q once into a compact buffer before the
+    split kernel, and reduce_kernel rotates the combined output before its one store
+    (rotating in every split program would cost num_splits times the work).
     """
     config = config or KernelConfig()
     num_seqs = seq_lens.shape[0]
@@ -227,12 +228,20 @@ def paged_decode_attention(
     direct = num_splits == 1
     rotation = cache.k_rotation
     rotate_outside = rotation is not None and not direct
-    if rotate_outside:  # the decode rows only: a mixed step's prefill rows are not read here
-        assert rotation is not None
-        rotated_q = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
-        rotated_q[token_idx] = rotate(q[token_idx], rotation)
-        q = rotated_q
     block_d = max(16, triton.next_power_of_2(head_dim))
+    # tl.dot multiplies at least 16 rows: the rotations take query heads 16 at a time
+    block_h = 16
+    rotated_q = q
+    if rotate_outside:  # the decode rows only: a mixed step's prefill rows are not read here
+        assert rotation is not None and rotation.is_contiguous()
+        rotated_q = torch.empty(
+            (num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device
+        )  # [num_seqs, num_heads, head_dim]
+        rotate_q_kernel[(num_seqs, triton.cdiv(num_heads, block_h))](
+            q, rotated_q, token_idx, rotation, q.stride(0), q.stride(1),
+            rotated_q.stride(0), rotated_q.stride(1), num_heads, head_dim,
+            BLOCK_H=block_h, BLOCK_D=block_d, X_MODE=X_MODES[q.dtype],
+        )  # fmt: skip
     if direct:
         mid_out = mid_lse = out  # unused
         mid_strides: tuple[int, ...] = (0, 0, 0, 0, 0)
@@ -245,10 +254,10 @@ def paged_decode_attention(
         )
         mid_strides = (*mid_out.stride()[:3], *mid_lse.stride()[:2])
     decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, args.k, args.v, args.k_scale, args.v_scale, args.k_static, args.v_static,
+        rotated_q, args.k, args.v, args.k_scale, args.v_scale, args.k_static, args.v_static,
         out, mid_out, mid_lse, token_idx, seq_lens, block_tables,
         scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *args.strides,
+        rotated_q.stride(0), rotated_q.stride(1), out.stride(0), out.stride(1), *args.strides,
         block_tables.stride(0), *mid_strides, head_dim, min_split,
         *_tail_args(cache, tail, "decode", q),
         GROUP=group,
@@ -261,27 +270,25 @@ def paged_decode_attention(
         PRECISION=_precision(q.dtype),
         HAS_TAIL=tail is not None,
         ROTATE=rotation is not None and direct,
+        COMPACT_Q=rotate_outside,
         DOT_DTYPE=_dot_dtype(q.dtype),
         num_warps=config.decode_num_warps,
         num_stages=config.decode_num_stages,
     )  # fmt: skip
     if not direct:
-        # rotated keys: the combined output stays float32 until it is rotated (one rounding)
-        reduced, reduced_idx = out, token_idx
-        if rotate_outside:
-            reduced = torch.empty((num_seqs, num_heads, head_dim), dtype=torch.float32,
-                                  device=q.device)  # fmt: skip
-            reduced_idx = torch.arange(num_seqs, device=q.device)
-        reduce_kernel[(num_seqs, num_heads)](
-            mid_out, mid_lse, reduced, reduced_idx, seq_lens, *mid_strides,
-            reduced.stride(0), reduced.stride(1), head_dim, num_splits, min_split,
+        # rotated values: the combined output stays float32 until it is rotated (one rounding)
+        grid_h = triton.cdiv(num_heads, block_h) if rotate_outside else num_heads
+        reduce_kernel[(num_seqs, grid_h)](
+            mid_out, mid_lse, out, token_idx, seq_lens,
+            rotation if rotation is not None else mid_out, *mid_strides,
+            out.stride(0), out.stride(1), num_heads, head_dim, num_splits, min_split,
             BLOCK_N=block_n,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            BLOCK_H=block_h,
+            ROTATE=rotate_outside,
+            X_MODE=X_MODES[out.dtype],
         )  # fmt: skip
-        if rotate_outside:
-            assert rotation is not None
-            out[token_idx] = (reduced @ rotation).to(out.dtype)
 
 
 def paged_prefill_attention(

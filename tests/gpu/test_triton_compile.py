@@ -29,7 +29,7 @@ ROOT = SCRIPT.parents[2]
 )
 @pytest.mark.parametrize("arch, kernels", [
     (90, {"decode_kernel", "prefill_kernel", "reduce_kernel", "write_kv_kernel",
-          "_tail_residual_kernel", "_ring_write_kernel"}),
+          "_tail_residual_kernel", "_ring_write_kernel", "rotate_q_kernel"}),
     (80, {"decode_kernel", "prefill_kernel", "reduce_kernel", "write_kv_kernel"}),
 ])  # fmt: skip
 def test_every_kernel_compiles_to_a_cubin(arch: int, kernels: set[str], tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton", reason="triton is not installed (Linux x86_64 test extra)")
 
@@ -264,6 +265,48 @@ def test_split_decode_rotates_once_per_token_not_in_every_split_program(
         )  # fmt: skip
         _check_close(out[dec], want[dec], torch.bfloat16)
     assert launches == [(1, True), (4, False)]
+
+
+def test_split_rotated_decode_writes_only_the_decode_rows_with_kernels_alone() -> None:
+    """Rotated keys over several splits: q's scattered decode rows (token_idx not arange, not
+    sorted) are rotated and the outputs rotated back by the kernels themselves (no index_put,
+    no torch matmul), into those rows of out alone, matching the reference; 18 query heads
+    make the rotations take a partial second block of 16 heads."""
+    torch.manual_seed(5)
+    num_kv_heads, group, head_dim = 2, 9, 64
+    spec = KVCacheSpec(1, num_kv_heads, head_dim, BLOCK_SIZE, torch.float8_e4m3fn, hadamard=True)
+    cache = allocate_kv_cache(spec, 24, DEVICE)[0]
+    meta, _ = _mixed_batch(num_kv_heads, head_dim, cache, seed=11)
+    q = torch.randn(meta.num_real_tokens, num_kv_heads * group, head_dim, device=DEVICE)
+    q = q.to(torch.bfloat16)
+    want = TorchRefAttention().forward(q, cache, meta, head_dim**-0.5)
+    config = triton_paged.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
+    step = triton_paged.TritonAttention(DEVICE, config).prepare(meta)
+    dec = step.decode_token_ids
+    assert dec.shape[0] == 5
+    # the same decode queries at scattered rows of a bigger batch; the other rows hold NaN
+    token_idx = torch.tensor([9, 2, 14, 0, 6], device=DEVICE)
+    scattered = torch.full((16, *q.shape[1:]), float("nan"), dtype=q.dtype, device=DEVICE)
+    scattered[token_idx] = q[dec]
+    out = torch.full_like(scattered, float("nan"))
+    ops: list[str] = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        triton_paged.paged_decode_attention(
+            scattered, cache, out, token_idx, step.decode_seq_lens, step.decode_block_tables,
+            head_dim**-0.5, 4, config,
+        )  # fmt: skip
+    torch_math = [op for op in ops if any(w in op for w in ("index", "mm", "matmul", "arange"))]
+    assert not torch_math, torch_math
+    _check_close(out[token_idx], want[dec], torch.bfloat16)
+    others = torch.ones(16, dtype=torch.bool, device=DEVICE)
+    others[token_idx] = False
+    assert torch.isnan(out[others]).all()
 
 
 def test_decode_output_of_a_sequence_does_not_depend_on_the_batch() -> None:
