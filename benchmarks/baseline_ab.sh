@@ -4,7 +4,7 @@
 set -u
 OUT=${OUT:-/tmp/baseline_ab}; mkdir -p $OUT; BASE=${BASE:?set BASE to a checkout of the baseline commit}; HEAD_TREE=${HEAD_TREE:-$(cd "$(dirname "$0")/.." && pwd)}
 COMMON="--dtype float32 --max-num-seqs 32 --kv-cache-memory-bytes 1073741824 --max-num-batched-tokens 4096"
-CLI="python -m infer8.entrypoints.cli"
+CLI="python -m infer8.cli"
 offline() {  # tree tag kvdtype n in out
   local tree=$1 tag=$2 kv=$3 n=$4 in=$5 out=$6
   (cd $tree && PYTHONPATH=$tree timeout 1200 $CLI bench throughput $COMMON --kv-cache-dtype $kv \

@@ -18,8 +18,8 @@ import torch
 
 from infer8 import LLM, SamplingParams
 from infer8.attention import torch_ref
+from infer8.attention.kv_cache import LayerKVCache
 from infer8.attention.metadata import AttentionMetadata
-from infer8.worker.kv_cache import LayerKVCache
 
 
 def decode_per_kv_head(

@@ -18,6 +18,7 @@ import time
 
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
+from infer8.layers.elementwise import TorchElementwise
 from infer8.sampling_params import SamplingParams
 
 
@@ -33,9 +34,7 @@ def _engine(kv: str, native: bool, batched_tokens: int) -> LLMEngine:
         )
     )
     if not native:
-        for module in engine.worker.model.modules():
-            if hasattr(module, "kernels"):
-                module.kernels = None
+        engine.worker.model.set_elementwise_ops(TorchElementwise())
     return engine
 
 

@@ -44,7 +44,7 @@ def _free_port() -> int:
 
 
 def start_server(model: str | None, port: int, extra: list[str]) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "infer8.entrypoints.cli", "serve"]
+    argv = [sys.executable, "-m", "infer8.cli", "serve"]
     argv += ([model] if model else []) + ["--host", "127.0.0.1", "--port", str(port)]
     argv += ["--uvicorn-log-level", "warning", *extra]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

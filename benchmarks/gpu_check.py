@@ -118,9 +118,9 @@ def check_kernels(
     only: a slice of the case list (a quick run under TRITON_INTERPRET=1 on CPU).
     """
     from infer8.attention import triton_paged
+    from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
     from infer8.attention.metadata import build_attention_metadata
     from infer8.attention.torch_ref import TorchRefAttention
-    from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 
     rel_tol = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
     rows, failures = [], []
@@ -241,7 +241,7 @@ def _time_decode(
     """Time paged_decode_attention on one cache dtype; return the best config's numbers."""
     from infer8.attention import triton_paged
     from infer8.attention.decode_roofline import decode_cost
-    from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+    from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
 
     head_dim, block_size = 128, 16
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -315,8 +315,8 @@ def build_layer_decode(
         DEFAULT_EXACT_TAIL_TOKENS,
         build_tail_metadata,
     )
+    from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
     from infer8.attention.metadata import build_attention_metadata
-    from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
     from infer8.worker.tail_seats import SinkSlots, TailRows
 
     head_dim, block_size = 128, 16
@@ -529,9 +529,10 @@ def end_to_end(
     device: torch.device, batch: int, context: int, steps: int, preset: str = "qwen2-7b-instruct"
 ) -> dict[str, Any]:
     """Decode `steps` tokens for `batch` sequences at `context` tokens; report tokens/s."""
+    from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
     from infer8.attention.metadata import build_attention_metadata
-    from infer8.quant import fp8_linear
-    from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+    from infer8.layers import fp8_linear
+    from infer8.models import fp8_weights as weights
 
     model = _random_model(device, preset)
     cfg = model.config
@@ -562,7 +563,7 @@ def end_to_end(
     rows, results, tokens_by_config = [], {}, {}
     for label, kv_dtype, use_graphs, fp8_weights, rotated in configs:
         if fp8_weights:  # irreversible: last
-            fp8_linear.quantize_model_weights(model, per_channel=True, use_scaled_mm=True)
+            weights.quantize_model_weights(model, per_channel=True, use_scaled_mm=True)
             torch.cuda.empty_cache()
         spec = KVCacheSpec(
             cfg.num_hidden_layers,

@@ -191,7 +191,7 @@ def fp8_agreement(device: torch.device, work_dir: Path) -> dict[str, Any]:
     Every run goes through the engine's Worker (quantize-on-load for --quantization fp8) and
     its paged cache, teacher-forced, so the bounds hold per position, not per greedy path.
     """
-    from infer8.quant.fp8_linear import Fp8Linear
+    from infer8.layers.fp8_linear import Fp8Linear
 
     model_dir = write_smoke_model(work_dir / "fp8-model")
     dev = device.type

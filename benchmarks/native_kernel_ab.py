@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 from infer8.attention import cpu_native, native_build
+from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
 from infer8.attention.metadata import build_attention_metadata
 from infer8.attention.torch_ref import TorchRefAttention
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
 from infer8.sampling_params import SamplingParams
-from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from infer8.core.sched_output import SchedulerStats
 from infer8.engine import LLMEngine
-from infer8.entrypoints.cli import add_engine_args, engine_args_from
+from infer8.entrypoints.args import add_engine_args, engine_args_from
 from infer8.eval.kv_accuracy import load_text
 from infer8.sampling_params import SamplingParams
 from infer8.tokenizer import Tokenizer

@@ -175,7 +175,7 @@ def main() -> None:
     else:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "infer8.entrypoints.cli", "serve"]
+        argv = [sys.executable, "-m", "infer8.cli", "serve"]
         argv += [args.model] if args.model else []
         argv += ["--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning"]
         argv += ["--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "16"]

@@ -20,7 +20,7 @@ from typing import Any
 import jsonschema
 
 from infer8.engine import LLMEngine
-from infer8.entrypoints.cli import add_engine_args, engine_args_from
+from infer8.entrypoints.args import add_engine_args, engine_args_from
 from infer8.entrypoints.openai.tool_calls import render_tools, resolve_tools
 from infer8.sampling_params import SamplingParams
 from infer8.structured_output.manager import StructuredOutputManager

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from infer8.sampling_params import SamplingParams
+from infer8.version import __version__
 
 if TYPE_CHECKING:
     from infer8.entrypoints.llm import LLM
 
-__all__ = ["LLM", "SamplingParams"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from infer8.attention.exact_tail import build_tail_metadata
+from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from infer8.attention.metadata import build_attention_metadata
-from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from infer8.worker.tail_seats import SinkSlots, TailRows
 
 BLOCK_SIZE = 16

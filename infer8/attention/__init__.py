@@ -9,7 +9,7 @@ import torch
 
 if TYPE_CHECKING:
     from infer8.attention.backend import AttentionBackend
-    from infer8.worker.kv_cache import KVCacheSpec
+    from infer8.attention.kv_cache import KVCacheSpec
 
 logger = logging.getLogger(__name__)
 

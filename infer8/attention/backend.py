@@ -10,8 +10,8 @@ from typing import Protocol
 
 import torch
 
+from infer8.attention.kv_cache import LayerKVCache
 from infer8.attention.metadata import AttentionMetadata
-from infer8.worker.kv_cache import LayerKVCache
 
 
 class AttentionBackend(Protocol):

@@ -19,7 +19,7 @@ import torch
 
 if TYPE_CHECKING:
     from infer8.attention.exact_tail import TailMetadata
-    from infer8.worker.kv_cache import LayerKVCache
+    from infer8.attention.kv_cache import LayerKVCache
 
 from infer8.attention.native_build import build_library
 from infer8.attention.native_elementwise import NativeElementwise

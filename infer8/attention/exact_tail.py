@@ -47,7 +47,7 @@ import torch
 from infer8.quant import fp8
 
 if TYPE_CHECKING:
-    from infer8.worker.kv_cache import KVCacheSpec
+    from infer8.attention.kv_cache import KVCacheSpec
 
 # Measured on the default model (docs/accuracy.md, "Exact tail"), used when the flags are left on
 # auto for an FP8 cache whose kernels read the tail: the window and the sinks (together they

@@ -12,6 +12,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from infer8.utils import cache_dir
+
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = (
     _CSRC / "fp8_gather.c",
@@ -31,8 +33,6 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
 
 
 def _cache_dir() -> Path:
-    from infer8.models.default_model import cache_dir
-
     return cache_dir() / "native"
 
 

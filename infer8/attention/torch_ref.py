@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from infer8.attention import exact_tail, tail_prefill
 from infer8.attention.backend import write_then_attend
 from infer8.attention.cpu_native import NativeFP8Gather
+from infer8.attention.kv_cache import LayerKVCache
 from infer8.attention.metadata import AttentionMetadata
 from infer8.attention.split_prefill import KeyRange, split_prefill_attention
 from infer8.quant import fp8
-from infer8.worker.kv_cache import LayerKVCache
 
 Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from infer8.attention.backend import write_then_attend
 from infer8.attention.exact_tail import rotate
+from infer8.attention.kv_cache import LayerKVCache
 from infer8.attention.metadata import AttentionMetadata
 from infer8.attention.triton_fp8 import X_MODES, grid_constants, rotate_q_kernel, write_kv_kernel
 from infer8.attention.triton_kernels import decode_kernel, prefill_kernel, reduce_kernel
@@ -33,7 +34,6 @@ from infer8.attention.triton_tail import (
     write_ring,
 )
 from infer8.quant import fp8
-from infer8.worker.kv_cache import LayerKVCache
 
 _LOG2E = 1.4426950408889634
 # Scale modes of a cache, as the kernels see them.

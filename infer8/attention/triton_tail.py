@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from infer8.attention.exact_tail import RESIDUAL_DTYPE, TailMetadata
+from infer8.attention.kv_cache import LayerKVCache
 from infer8.attention.triton_fp8 import (
     X_MODES,
     grid_constants,
@@ -34,7 +35,6 @@ from infer8.attention.triton_fp8 import (
     round_to_model,
 )
 from infer8.quant import fp8
-from infer8.worker.kv_cache import LayerKVCache
 
 # Columns of the per-sequence tail table the attention kernels read (constexpr: jit code may
 # read module globals only as constants).

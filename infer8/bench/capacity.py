@@ -27,15 +27,15 @@ from typing import Any
 
 import torch
 
+from infer8.attention.kv_cache import KVCacheSpec
 from infer8.bench.report import fmt, fmt_bytes, markdown_table
 from infer8.bench.throughput import bench_engine_args
 from infer8.bench.workload import LengthSpec, make_requests
 from infer8.config import EngineArgs, KVCacheDType, parse_dtype
-from infer8.core.kv_cache_manager import cdiv
 from infer8.engine import LLMEngine, resolve_model_path
 from infer8.models.loader import read_hf_config
 from infer8.sampling_params import SamplingParams
-from infer8.worker.kv_cache import KVCacheSpec
+from infer8.utils import cdiv
 
 DEFAULT_KV_BYTES = 512 << 20
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from infer8.bench.workload import LengthSpec
-from infer8.entrypoints.cli import add_engine_args, engine_args_from
+from infer8.entrypoints.args import add_engine_args, engine_args_from
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:

@@ -91,7 +91,7 @@ def _offline(
 
 def _serve_argv(args: EngineArgs, port: int) -> list[str]:
     """Return `infer8 serve` with the engine flags that matter for the comparison."""
-    argv = [sys.executable, "-m", "infer8.entrypoints.cli", "serve"]
+    argv = [sys.executable, "-m", "infer8.cli", "serve"]
     argv += [args.model] if args.model else []
     flags = {
         "--dtype": args.dtype, "--kv-cache-dtype": args.kv_cache_dtype,

@@ -8,11 +8,7 @@ from infer8.core.block_pool import BlockHash, BlockPool, hash_block_tokens
 from infer8.core.host_tier import HostKVTier, HostTransfers
 from infer8.core.kv_events import KVCacheEvent
 from infer8.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    """Return ceil(a / b) for non-negative ints."""
-    return -(-a // b)
+from infer8.utils import cdiv
 
 
 class KVCacheManager:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer8.quant.kv_scales import StaticKVScales
+from infer8.utils import cdiv
 
 if TYPE_CHECKING:  # llama.py imports the parallel layers, which import this module
     from infer8.models.llama import LlamaArchConfig
@@ -26,11 +27,6 @@ if TYPE_CHECKING:  # llama.py imports the parallel layers, which import this mod
 _PROJ_RE = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)\.(weight|bias|weight_scale)$")
 _KV_SCALE_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.(?:[kv]_proj\.)?(?:k|v|kv)_scale$")
 _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def cdiv(a: int, b: int) -> int:
-    """Return ceil(a / b)."""
-    return -(-a // b)
 
 
 def check_tensor_parallel_size(cfg: LlamaArchConfig, world_size: int) -> None:

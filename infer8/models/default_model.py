@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from infer8.models.gguf_loader import convert_gguf_to_hf
 from infer8.models.gguf_metadata import GGUF_MAGIC
+from infer8.utils import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +51,6 @@ _COPY_CHUNK_BYTES = 1 << 20
 # the converted directory's generation_config.json, so `--model <that directory>` gets them too
 # (with --generation-config auto; a request's own values, or --override-generation-config, win).
 DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
-
-
-def cache_dir() -> Path:
-    """Return infer8's cache root: $INFER8_CACHE, else $XDG_CACHE_HOME/infer8 or ~/.cache/infer8."""
-    if os.environ.get("INFER8_CACHE"):
-        return Path(os.environ["INFER8_CACHE"]).expanduser()
-    xdg_cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(xdg_cache).expanduser() / "infer8"
 
 
 def pull_default_model(cache: Path | None = None, progress: bool = True) -> Path:

@@ -8,16 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from infer8.attention.backend import AttentionBackend
-from infer8.attention.cpu_native import NativeFP8Gather
+from infer8.attention.kv_cache import LayerKVCache
 from infer8.attention.metadata import AttentionMetadata
-from infer8.attention.torch_ref import TorchRefAttention
-from infer8.distributed.layers import lm_head, row_parallel_linear, vocab_embedding
 from infer8.distributed.parallel_state import TensorParallelGroup
-from infer8.worker.kv_cache import LayerKVCache
+from infer8.layers.elementwise import ElementwiseOps, TorchElementwise
+from infer8.layers.parallel import lm_head, row_parallel_linear, vocab_embedding
 
 logger = logging.getLogger(__name__)
 
@@ -136,27 +134,17 @@ def rope_inv_freq(cfg: LlamaArchConfig) -> tuple[torch.Tensor, float]:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 as transformers does."""
+    """Root-mean-square layer norm's weight (the pass itself is ElementwiseOps.rms_norm)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
-        self.kernels: NativeFP8Gather | None = None  # CPU float32 / bf16: one native pass
-
-    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """Normalize the last dim; with `add`, first x += add in place (the residual stream)."""
-        if self.kernels is not None and self.kernels.elementwise_supported(x) and x.dim() == 2:
-            return self.kernels.rms_norm(x, self.weight, self.eps, add)
-        if add is not None:
-            x.add_(add)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class Attention(nn.Module):
-    """GQA self-attention with a fused QKV projection, RoPE and the paged cache."""
+    """GQA self-attention's projections (fused QKV); RoPE, the cache and attention happen in
+    DecoderLayer.forward through the ops and the backend the model was handed."""
 
     def __init__(self, cfg: LlamaArchConfig, tp_group: TensorParallelGroup | None = None) -> None:
         super().__init__()
@@ -170,58 +158,16 @@ class Attention(nn.Module):
         )
         self.o_proj = row_parallel_linear(self.q_size, cfg.hidden_size, tp_group)
         self.scale = self.head_dim**-0.5
-        self.backend: AttentionBackend = TorchRefAttention()
-        self.kernels: NativeFP8Gather | None = None  # CPU float32 / bf16: RoPE in one pass
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: LayerKVCache,
-    ) -> torch.Tensor:
-        """Project, rotate, store K/V, attend."""
-        t = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k heads rotate in one pass (half the small elementwise ops of a decode step)
-        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.kernels is not None and self.kernels.elementwise_supported(qk):
-            qk = self.kernels.rope_(qk, cos.view(t, -1), sin.view(t, -1))
-        else:
-            qk = apply_rope(qk, cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = self.backend.write_and_attend(q, k, v, cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves of the head dim (transformers' rotate_half convention).
-
-    x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim / 2] in x's dtype.
-    """
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward with a fused gate/up projection."""
+    """SwiGLU feed-forward's projections (fused gate/up)."""
 
     def __init__(self, cfg: LlamaArchConfig, tp_group: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = row_parallel_linear(cfg.intermediate_size, cfg.hidden_size, tp_group)
-        self.kernels: NativeFP8Gather | None = None  # CPU float32 / bf16: silu(gate) * up
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply silu(gate) * up, then project down."""
-        gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and self.kernels.elementwise_supported(gate_up):
-            return self.down_proj(self.kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -242,20 +188,36 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         meta: AttentionMetadata,
         cache: LayerKVCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one layer on the residual stream x (updated in place).
+        ops: ElementwiseOps,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Run one layer on the residual stream x (updated in place); return its MLP output.
 
         `pending` is the previous layer's MLP output, not yet added to x: each residual add
-        happens inside the next norm's pass (vLLM's fused add + RMSNorm). Returns x and this
-        layer's MLP output, pending in turn.
+        happens inside the next norm's pass (vLLM's fused add + RMSNorm). Submodules are read
+        for their weights only, with no module call in between (a layer's Python glue is a
+        visible share of a small model's decode step on CPU).
         """
-        h = self.input_layernorm(x, pending)
-        h = self.post_attention_layernorm(x, self.self_attn(h, cos, sin, meta, cache))
-        return x, self.mlp(h)
+        attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
+        t = x.shape[0]
+        h = ops.rms_norm(x, norm.weight, norm.eps, pending)
+        qkv = attn.qkv_proj.forward(h)
+        heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        # q and k heads rotate in one pass (half the small element-wise ops of a decode step)
+        qk = ops.rope_(qkv[:, : attn.q_size + attn.kv_size].view(t, heads + kv_heads, d), cos, sin)
+        v = qkv[:, attn.q_size + attn.kv_size :].view(t, kv_heads, d)
+        o = backend.write_and_attend(qk[:, :heads], qk[:, heads:], v, cache, meta, attn.scale)
+        norm = self.post_attention_layernorm
+        h = ops.rms_norm(x, norm.weight, norm.eps, attn.o_proj.forward(o.reshape(t, -1)))
+        return mlp.down_proj.forward(ops.silu_and_mul(mlp.gate_up_proj.forward(h)))
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder stack plus LM head; forward takes a flat batch of tokens."""
+    """The decoder stack plus LM head; forward takes a flat batch of tokens.
+
+    Holds no attention code: the worker hands it an attention backend and the element-wise
+    ops (set_attention_backend, set_elementwise_ops) before the first forward.
+    """
 
     def __init__(self, cfg: LlamaArchConfig, tp_group: TensorParallelGroup | None = None) -> None:
         # Under tensor parallelism cfg is this rank's view (its heads and MLP columns).
@@ -269,7 +231,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size, tp_group)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.cpu_kernels: NativeFP8Gather | None = None  # set_cpu_kernels: the native loop
+        self.ops: ElementwiseOps = TorchElementwise()
+        self.attention_backend: AttentionBackend | None = None
         # cos/sin for every position the model has: buffers (not in the state dict) that move
         # and cast with the model, so any forward (the start-up memory profile's included) has
         # them; built here, and again by init_rope_tables after a meta-device to_empty
@@ -283,17 +246,12 @@ class LlamaForCausalLM(nn.Module):
             p.requires_grad_(False)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
-        """Use one attention backend in every layer (chosen once at start-up)."""
-        for layer in self.layers:
-            layer.self_attn.backend = backend
+        """Attend through `backend` in every layer (chosen once at start-up)."""
+        self.attention_backend = backend
 
-    def set_cpu_kernels(self, kernels: NativeFP8Gather) -> None:
-        """Run RMSNorm (with the residual add), RoPE and silu * up natively on float32 or bf16
-        CPU tensors (csrc/elementwise.c): one pass each instead of several torch ops."""
-        self.cpu_kernels = kernels
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
-                module.kernels = kernels
+    def set_elementwise_ops(self, ops: ElementwiseOps) -> None:
+        """Compute norms, RoPE and silu * up with `ops` (the CPU backend's native passes)."""
+        self.ops = ops
 
     def init_rope_tables(self) -> None:
         """Fill cos_table / sin_table [max_position_embeddings, head_dim / 2] in place.
@@ -318,48 +276,15 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[LayerKVCache],
     ) -> torch.Tensor:
         """Return final hidden states [num_tokens, hidden] for input_ids [num_tokens]."""
+        backend = self.attention_backend
+        assert backend is not None, "set_attention_backend before the first forward"
         x = self.embed_tokens(input_ids)  # a fresh tensor: the layers add to it in place
-        cos = self.cos_table[positions].unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
-        sin = self.sin_table[positions].unsqueeze(1)
-        if self.cpu_kernels is not None and self.cpu_kernels.elementwise_supported(x):
-            return self._forward_native(x, cos, sin, meta, kv_caches)
-        pending = None
+        cos = self.cos_table[positions]  # [num_tokens, head_dim / 2]
+        sin = self.sin_table[positions]
+        ops, pending = self.ops, None
         for layer, cache in zip(self.layers, kv_caches):
-            x, pending = layer(x, pending, cos, sin, meta, cache)
-        return self.norm(x, pending)
-
-    def _forward_native(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[LayerKVCache],
-    ) -> torch.Tensor:
-        """The layers' forwards with the native element-wise passes called directly: the same
-        calls on the same tensors in the same order as DecoderLayer's (bit for bit), without
-        each module's dispatch and checks: a layer's Python glue 95-148 -> 57 us (kernels and
-        matmuls stubbed out; ~1.7 ms of a ~50 ms batch-32 decode step, 30 layers)."""
-        kernels = self.cpu_kernels
-        assert kernels is not None
-        t = x.shape[0]
-        cos, sin = cos.view(t, -1), sin.view(t, -1)
-        pending = None
-        for layer, cache in zip(self.layers, kv_caches):
-            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
-            h = kernels.rms_norm(x, norm.weight, norm.eps, pending)
-            qkv = attn.qkv_proj.forward(h)
-            heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            qk = qkv[:, : attn.q_size + attn.kv_size].view(t, heads + kv_heads, d)
-            kernels.rope_(qk, cos, sin)
-            v = qkv[:, attn.q_size + attn.kv_size :].view(t, kv_heads, d)
-            o = attn.backend.write_and_attend(
-                qk[:, :heads], qk[:, heads:], v, cache, meta, attn.scale
-            )
-            norm = layer.post_attention_layernorm
-            h = kernels.rms_norm(x, norm.weight, norm.eps, attn.o_proj.forward(o.reshape(t, -1)))
-            pending = mlp.down_proj.forward(kernels.silu_and_mul(mlp.gate_up_proj.forward(h)))
-        return kernels.rms_norm(x, self.norm.weight, self.norm.eps, pending)
+            pending = layer.forward(x, pending, cos, sin, meta, cache, ops, backend)
+        return ops.rms_norm(x, self.norm.weight, self.norm.eps, pending)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Return float32 logits [n, vocab] for hidden states [n, hidden]."""

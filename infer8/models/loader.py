@@ -182,7 +182,7 @@ def load_model(
         hf_config, weights = gguf.hf_config, gguf.iter_weights(dtype)
     else:
         hf_config = read_hf_config(path)
-        from infer8.quant.fp8_linear import fp8_checkpoint_scheme, load_fp8_model
+        from infer8.models.fp8_weights import fp8_checkpoint_scheme, load_fp8_model
 
         if fp8_checkpoint_scheme(hf_config) is not None:
             if tp_group is not None:
@@ -192,7 +192,7 @@ def load_model(
     cfg = LlamaArchConfig.from_hf_config(hf_config)
     fp8_loader = None
     if quantization == "fp8":  # before sharding: a row-parallel shard's scales are whole rows'
-        from infer8.quant.fp8_linear import quantize_weights_on_load
+        from infer8.models.fp8_weights import quantize_weights_on_load
 
         weights = quantize_weights_on_load(weights, dtype, device)
     if tp_group is not None:
@@ -203,10 +203,10 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp_group).to(dtype)
         if quantization == "fp8":
-            from infer8.quant.fp8_linear import (
+            from infer8.layers.fp8_linear import supports_scaled_mm
+            from infer8.models.fp8_weights import (
                 Fp8CheckpointLoader,
                 replace_linears_for_checkpoint,
-                supports_scaled_mm,
             )
 
             replace_linears_for_checkpoint(model, False, supports_scaled_mm(device, dtype))

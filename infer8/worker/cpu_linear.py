@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer8.distributed.layers import ParallelLMHead, RowParallelLinear
+from infer8.layers.parallel import ParallelLMHead, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from typing import Any, Protocol
 
 import torch
 
+from infer8.attention.kv_cache import LayerKVCache
 from infer8.attention.metadata import AttentionMetadata
 from infer8.attention.triton_paged import TritonAttention, TritonStepMetadata
 from infer8.attention.triton_tail import TritonTailStep, build_tail_step
 from infer8.models.llama import LlamaForCausalLM
-from infer8.worker.kv_cache import LayerKVCache
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
+from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from infer8.worker.memory import GiB
 
 

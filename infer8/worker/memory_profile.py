@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from infer8.attention.metadata import AttentionMetadata, build_attention_metadata
-from infer8.core.kv_cache_manager import cdiv
-from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
+from infer8.utils import cdiv
 
 if TYPE_CHECKING:
     from infer8.config import SchedulerConfig

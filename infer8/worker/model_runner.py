@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from infer8.attention.exact_tail import build_tail_metadata
+from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache
 from infer8.attention.metadata import (
     AttentionMetadata,
     metadata_from_table,
@@ -17,7 +18,6 @@ from infer8.attention.metadata import (
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.models.llama import LlamaForCausalLM
 from infer8.worker.block_tables import BlockTables
-from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache
 from infer8.worker.kv_offload import HostKVCache
 from infer8.worker.sampler import Sampler, SamplingState
 from infer8.worker.tail_seats import SinkSlots, TailRows

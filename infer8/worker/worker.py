@@ -18,8 +18,8 @@ import torch
 from infer8.attention import select_backend, tail_kernels_available
 from infer8.attention.cpu_native import NativeFP8Gather
 from infer8.attention.exact_tail import describe_exact_tail, resolve_exact_tail
+from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from infer8.config import EngineArgs, ModelConfig, SchedulerConfig
-from infer8.core.kv_cache_manager import cdiv
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.distributed.sharding import TensorParallelShard
@@ -27,19 +27,15 @@ from infer8.host_memory import HostMemory
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.models.loader import load_model
 from infer8.quant import fp8, kv_scales
+from infer8.utils import cdiv
 from infer8.worker.cpu_linear import (
     bound_kernel_caches,
     pack_linear_layers,
     packing_applies,
     probe_packing,
 )
-from infer8.worker.kv_cache import (
-    KVCacheSpec,
-    LayerKVCache,
-    allocate_kv_cache,
-    populate_in_background,
-)
 from infer8.worker.kv_offload import HostKVCache, num_host_blocks_for
+from infer8.worker.kv_populate import populate_in_background
 from infer8.worker.memory import (
     GiB,
     MemoryPlan,
@@ -106,7 +102,7 @@ class Worker:
         if model_config.device.type == "cpu" and model_config.dtype in _NATIVE_DTYPES:
             kernels = NativeFP8Gather.load()  # built once per machine; None without a compiler
             if kernels is not None:
-                model.set_cpu_kernels(kernels)
+                model.set_elementwise_ops(kernels)
         arch = model.config
         kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
         tail = resolve_exact_tail(

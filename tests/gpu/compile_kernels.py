@@ -90,8 +90,8 @@ def _configs(arch: int, which: str):
 def _launch_all(model_dtype, cache_dtype, scales: str, tail: bool, rotate: bool) -> None:
     from infer8.attention import triton_paged
     from infer8.attention.exact_tail import build_tail_metadata
+    from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
     from infer8.attention.metadata import build_attention_metadata
-    from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 
     dev = torch.device("cpu")
     kvh, group, d, bs = 2, 4, 128, 16

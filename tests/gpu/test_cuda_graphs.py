@@ -17,9 +17,9 @@ cuda_graphs = _MODULES["cuda_graphs"]
 HAS_CUDA, DEVICE = triton_modules.HAS_CUDA, triton_modules.DEVICE
 
 from infer8.attention.exact_tail import build_tail_metadata  # noqa: E402
+from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache  # noqa: E402
 from infer8.attention.metadata import build_attention_metadata  # noqa: E402
 from infer8.models.loader import load_model  # noqa: E402
-from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache  # noqa: E402
 from infer8.worker.tail_seats import SinkSlots, TailRows  # noqa: E402
 from tests.utils import float_ordinals  # noqa: E402
 

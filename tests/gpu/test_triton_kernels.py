@@ -27,9 +27,9 @@ _MODULES = triton_modules.load()
 triton_paged = _MODULES["triton_paged"]
 HAS_CUDA, DEVICE = triton_modules.HAS_CUDA, triton_modules.DEVICE
 
+from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache  # noqa: E402
 from infer8.attention.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
 from infer8.attention.torch_ref import TorchRefAttention  # noqa: E402
-from infer8.worker.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache  # noqa: E402
 
 BLOCK_SIZE = 16
 CACHE_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]

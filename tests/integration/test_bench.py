@@ -20,11 +20,11 @@ from infer8.bench.capacity import run_capacity
 from infer8.bench.serve import ServeConfig, run_serve
 from infer8.bench.throughput import run_throughput
 from infer8.bench.workload import BenchRequest, LengthSpec, make_requests
+from infer8.cli import main
 from infer8.config import EngineArgs
-from infer8.core.kv_cache_manager import cdiv
 from infer8.engine import LLMEngine
-from infer8.entrypoints.cli import main
 from infer8.entrypoints.openai.server import create_app
+from infer8.utils import cdiv
 
 MODEL = "tiny-llama"
 

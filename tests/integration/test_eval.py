@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from infer8.cli import main
 from infer8.config import EngineArgs
-from infer8.entrypoints.cli import main
 from infer8.eval.gsm8k import extract_answer, read_gsm8k, run_gsm8k
 from infer8.eval.kv_accuracy import calibrate_kv, run_kv_eval
 

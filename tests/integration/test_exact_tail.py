@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from infer8 import LLM, SamplingParams
+from infer8.attention.kv_cache import KVCacheSpec
 from infer8.config import EngineArgs
 from infer8.core.sched_output import SchedulerStats
 from infer8.engine import LLMEngine
 from infer8.eval.scoring import score_tokens
-from infer8.worker.kv_cache import KVCacheSpec
 from tests.integration.test_numerics import PROMPTS, _record_logits
 from tests.utils import hf_greedy, hf_model
 

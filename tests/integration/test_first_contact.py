@@ -27,7 +27,7 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
 
 def _serve(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "infer8.entrypoints.cli", "serve", *argv]
+    cmd = [sys.executable, "-m", "infer8.cli", "serve", *argv]
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or os.environ
     )
@@ -141,13 +141,13 @@ def test_impossible_tp_size_and_missing_cuda_fail_before_any_download(tmp_path: 
 
 def test_version_and_a_closed_pipe() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "infer8.entrypoints.cli", "--version"],
+        [sys.executable, "-m", "infer8.cli", "--version"],
         capture_output=True,
         text=True,
     )
     assert run.returncode == 0 and run.stdout.startswith("infer8 ")
     piped = subprocess.run(
-        f"{shlex.quote(sys.executable)} -m infer8.entrypoints.cli plan | head -1",
+        f"{shlex.quote(sys.executable)} -m infer8.cli plan | head -1",
         shell=True,
         capture_output=True,
         text=True,

@@ -181,7 +181,8 @@ def test_calibration_file_is_validated(llama_dir: Path, tmp_path: Path) -> None:
 
 def test_fp8_weight_checkpoint_serves_through_the_engine(llama_dir: Path, tmp_path: Path) -> None:
     from infer8.eval.scoring import score_tokens as score
-    from infer8.quant.fp8_linear import Fp8Linear, save_fp8_checkpoint
+    from infer8.layers.fp8_linear import Fp8Linear
+    from infer8.models.fp8_weights import save_fp8_checkpoint
 
     fp8_dir = tmp_path / "fp8_weights"
     save_fp8_checkpoint(llama_dir, fp8_dir, per_channel=True)

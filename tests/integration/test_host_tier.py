@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from infer8 import LLM, SamplingParams
+from infer8.attention.kv_cache import KVCacheSpec
 from infer8.config import KVCacheDType
 from infer8.core.sched_output import SchedulerOutput, SchedulerStats
-from infer8.worker.kv_cache import KVCacheSpec
 from infer8.worker.memory import GiB
 
 PREFIX = [5 + (i * 37) % 290 for i in range(40)]  # 5 blocks of 8

@@ -9,6 +9,7 @@ import torch
 
 from infer8 import LLM, SamplingParams
 from infer8.core.sched_output import SchedulerStats
+from infer8.layers.elementwise import TorchElementwise
 from tests.utils import hf_greedy, hf_model
 
 PROMPTS = [
@@ -48,7 +49,7 @@ def test_logits_match_transformers_at_every_step(arch: str, request: pytest.Fixt
     )
     seen = _record_logits(llm)
     # float32 on CPU: RMSNorm, RoPE and silu * up run natively (csrc/elementwise.c)
-    assert llm.engine.worker.model.norm.kernels is not None
+    assert not isinstance(llm.engine.worker.model.ops, TorchElementwise)
     prompt = PROMPTS[2]
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     generated = out.outputs[0].token_ids
@@ -65,19 +66,14 @@ def test_logits_match_transformers_at_every_step(arch: str, request: pytest.Fixt
 
 @pytest.mark.parametrize(
     ("arch", "dtype", "kv_cache_dtype"),
-    [
-        ("llama", "float32", "auto"),
-        ("qwen2", "float32", "auto"),
-        ("llama", "bfloat16", "auto"),
-        ("qwen2", "bfloat16", "fp8_e4m3"),
-    ],
+    [("llama", "float32", "auto"), ("qwen2", "float32", "fp8_e4m3"), ("llama", "bfloat16", "auto")],
 )
-def test_native_layer_loop_matches_the_modules_bit_for_bit(
+def test_native_elementwise_ops_match_the_torch_ops(
     arch: str, dtype: str, kv_cache_dtype: str, request: pytest.FixtureRequest
 ) -> None:
-    """On CPU the model runs its layers through LlamaForCausalLM._forward_native (the native
-    passes called directly); the modules' own forwards call the same kernels: every step's
-    logits (prefill chunks, mixed and all-decode batches) must be equal, not just close."""
+    """On CPU the worker hands the model the native passes (csrc/elementwise.c); the torch ops
+    compute the same layers: every step's logits (prefill chunks, mixed and all-decode batches)
+    agree closely, and greedy tokens are the same."""
     model_dir: Path = request.getfixturevalue(f"{arch}_dir")
     llm = LLM(
         str(model_dir),
@@ -89,29 +85,19 @@ def test_native_layer_loop_matches_the_modules_bit_for_bit(
         enable_prefix_caching=False,
     )
     model = llm.engine.worker.model
-    kernels = model.cpu_kernels
-    assert kernels is not None and model.norm.kernels is kernels
+    assert not isinstance(model.ops, TorchElementwise)  # the native passes on CPU
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    calls = {"native": 0}
-    native = model._forward_native
-
-    def counted(*args: object) -> torch.Tensor:
-        calls["native"] += 1
-        return native(*args)  # type: ignore[arg-type]
-
-    model._forward_native = counted  # type: ignore[method-assign]
     seen = _record_logits(llm)
     first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     native_logits, seen[:] = list(seen), []
-    num_native = calls["native"]
-    assert num_native > 0
-    model.cpu_kernels = None  # the modules' forwards, their native kernels still set
+    model.set_elementwise_ops(TorchElementwise())
     second = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    assert calls["native"] == num_native  # the second run went through the modules
-    assert second == first
-    assert len(seen) == len(native_logits)
+    if dtype == "float32":
+        assert second == first
+    assert len(seen) == len(native_logits) > 0
+    tol = 1e-4 if dtype == "float32" else 0.25  # bf16 rounds each pass's output
     for ours, theirs in zip(native_logits, seen):
-        assert torch.equal(ours, theirs)
+        assert (ours - theirs).abs().max().item() < tol
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

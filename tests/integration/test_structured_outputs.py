@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from infer8.attention.exact_tail import DEFAULT_EXACT_SINK_TOKENS, DEFAULT_EXACT_TAIL_TOKENS
+from infer8.attention.kv_cache import KVCacheSpec
 from infer8.entrypoints.llm import LLM
 from infer8.sampling_params import SamplingParams
 from infer8.structured_output import StructuredOutputsParams
-from infer8.worker.kv_cache import KVCacheSpec
 from tests.utils import build_tiny_model
 
 SCHEMA = {  # short keys: a byte-level toy tokenizer spends about one token per character

@@ -457,7 +457,7 @@ def test_the_worker_runs_a_hand_built_scheduler_output_alone(model_dirs: dict[st
 
 def test_the_executor_and_workers_never_import_the_engine() -> None:
     code = (
-        "import sys, infer8.executor, infer8.distributed.executor, infer8.distributed.worker\n"
+        "import sys, infer8.executor, infer8.executor.tensor_parallel, infer8.executor.rank\n"
         "print('infer8.engine' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -13,10 +13,10 @@ import torch
 
 from infer8 import plan, plan_presets
 from infer8.attention import select_backend
+from infer8.attention.kv_cache import KVCacheSpec
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
 from infer8.worker.cpu_linear import packing_applies
-from infer8.worker.kv_cache import KVCacheSpec
 from infer8.worker.memory import device_memory_bytes
 from tests.utils import build_tiny_model
 
@@ -260,8 +260,8 @@ def test_start_up_profiles_then_allocates_the_cache_then_captures_graphs(
 ) -> None:
     # the CUDA start-up order with the device swapped for CPU: fake counters, graphs recorded;
     # an FP8 cache keeps its exact tail and rotation (the defaults) and still gets graphs
+    from infer8.attention.kv_cache import allocate_kv_cache
     from infer8.worker import memory_profile, model_runner, worker
-    from infer8.worker.kv_cache import allocate_kv_cache
     from infer8.worker.memory import GiB
 
     events: list[str] = []

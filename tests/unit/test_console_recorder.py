@@ -15,6 +15,7 @@ import torch
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from infer8.attention.kv_cache import KVCacheSpec
 from infer8.config import CacheConfig
 from infer8.core.kv_cache_manager import KVCacheManager
 from infer8.core.sched_output import SchedulerStats
@@ -34,7 +35,6 @@ from infer8.entrypoints.console.snapshot import (
 from infer8.metrics import EngineMetrics
 from infer8.request import Request
 from infer8.sampling_params import SamplingParams
-from infer8.worker.kv_cache import KVCacheSpec
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer8.distributed.layers import ParallelLMHead, RowParallelLinear
 from infer8.host_memory import HostMemory
+from infer8.layers.parallel import ParallelLMHead, RowParallelLinear
 from infer8.worker.cpu_linear import (
     _KERNEL_CACHE_ENV,
     KERNEL_CACHE_CAPACITY,

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from infer8.attention.cpu_native import NativeFP8Gather, build_library
+from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
 from infer8.attention.metadata import build_attention_metadata
 from infer8.attention.torch_ref import TorchRefAttention
 from infer8.quant import fp8
-from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from tests.tail_schedule import run_schedule
 from tests.utils import float_ordinals
 
@@ -518,7 +518,7 @@ def test_silu_and_mul_matches_torch(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_in_place_matches_apply_rope(native: NativeFP8Gather, dtype: torch.dtype) -> None:
     """q and k heads of a fused projection's output (a strided view), rotated in place."""
-    from infer8.models.llama import apply_rope
+    from infer8.layers.elementwise import apply_rope
 
     torch.manual_seed(0)
     qkv = torch.randn(19, (9 + 3 + 3) * 64).to(dtype)

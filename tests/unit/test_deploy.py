@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infer8.entrypoints.cli import build_parser
+from infer8.cli import build_parser
 from infer8.entrypoints.openai.cli_args import make_serve_parser, serve_args_from
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -382,7 +382,7 @@ def test_dockerfile_entrypoint_is_the_infer8_serve_command() -> None:
     entrypoint = dockerfile_exec_form("ENTRYPOINT")
     argv = without_init(entrypoint)
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert argv[0] in scripts and scripts[argv[0]] == "infer8.entrypoints.cli:main"
+    assert argv[0] in scripts and scripts[argv[0]] == "infer8.cli:main"
     subcommands = next(
         a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
     ).choices

@@ -13,11 +13,11 @@ import torch.distributed as dist
 import yaml
 
 from infer8.config import EngineArgs
-from infer8.distributed.launch import LaunchEnv, launched_env
-from infer8.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from infer8.distributed.parallel_state import TensorParallelGroup, new_group
 from infer8.distributed.sharding import TensorParallelShard, check_tensor_parallel_size
 from infer8.entrypoints.openai.cli_args import make_serve_parser, serve_args_from
+from infer8.executor.launch import LaunchEnv, launched_env
+from infer8.layers.parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from infer8.models.llama import LlamaArchConfig
 from infer8.quant.kv_scales import StaticKVScales
 

@@ -21,12 +21,12 @@ from infer8.attention.exact_tail import (
     resolve_exact_tail,
     rotate,
 )
+from infer8.attention.kv_cache import KVCacheSpec
 from infer8.plan import PlanInputs, exact_tail_bytes, plan_capacity
 from infer8.plan_cli import format_plan
 from infer8.plan_presets import DEVICE_PRESETS, load_model_shape
 from infer8.quant import fp8
 from infer8.quant.fp8 import kv_dtype_name
-from infer8.worker.kv_cache import KVCacheSpec
 from infer8.worker.tail_seats import SinkSlots, TailRows
 
 

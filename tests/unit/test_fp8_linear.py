@@ -10,11 +10,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
 from infer8.attention.metadata import build_attention_metadata
+from infer8.layers import fp8_linear
+from infer8.layers.fp8_linear import Fp8Linear
+from infer8.models import fp8_weights
 from infer8.models.loader import load_model
-from infer8.quant import fp8_linear
-from infer8.quant.fp8_linear import Fp8Linear
-from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 
 # e4m3 keeps 4 significant bits: rounding moves a value by up to 2**-4 of itself, ~2.5% RMS.
 WEIGHT_ONLY_TOL = 0.04
@@ -124,9 +125,9 @@ def _prefill_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tenso
 def test_fp8_checkpoint_loads_into_fp8_linears(
     llama_dir: Path, tmp_path: Path, per_channel: bool
 ) -> None:
-    fp8_linear.save_fp8_checkpoint(llama_dir, tmp_path, per_channel=per_channel)
-    model, hf_config, _ = fp8_linear.load_fp8_model(tmp_path, torch.float32, torch.device("cpu"))
-    assert fp8_linear.fp8_checkpoint_scheme(hf_config) == {"static_input_scale": False}
+    fp8_weights.save_fp8_checkpoint(llama_dir, tmp_path, per_channel=per_channel)
+    model, hf_config, _ = fp8_weights.load_fp8_model(tmp_path, torch.float32, torch.device("cpu"))
+    assert fp8_weights.fp8_checkpoint_scheme(hf_config) == {"static_input_scale": False}
     layer = model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Fp8Linear)
     assert isinstance(layer.mlp.gate_up_proj, Fp8Linear)
@@ -148,7 +149,7 @@ def test_fp8_checkpoint_loads_into_fp8_linears(
     # rows would be ~100% off
     assert _rel(got, want) < 0.15
     if per_channel:  # loading the checkpoint == quantizing the 16-bit model in memory
-        fp8_linear.quantize_model_weights(reference, per_channel=True)
+        fp8_weights.quantize_model_weights(reference, per_channel=True)
         assert torch.equal(got, _prefill_logits(reference, prompt))
 
 
@@ -161,7 +162,7 @@ def test_quantizing_on_load_equals_quantizing_the_loaded_16_bit_model(
     cpu = torch.device("cpu")
     got, _, _ = load_model(model_dir, torch.bfloat16, cpu, quantization="fp8")
     want, _, _ = load_model(model_dir, torch.bfloat16, cpu)
-    fp8_linear.quantize_model_weights(want)
+    fp8_weights.quantize_model_weights(want)
     got_state, want_state = got.state_dict(), want.state_dict()
     assert got_state.keys() == want_state.keys()
     for name, tensor in want_state.items():
@@ -173,27 +174,27 @@ def test_quantizing_on_load_equals_quantizing_the_loaded_16_bit_model(
 
 
 def test_fp8_checkpoint_errors_are_clear(llama_dir: Path, tmp_path: Path) -> None:
-    fp8_linear.save_fp8_checkpoint(llama_dir, tmp_path)
+    fp8_weights.save_fp8_checkpoint(llama_dir, tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     del tensors["model.layers.1.mlp.up_proj.weight_scale"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(
         ValueError, match="missing weight_scale for model.layers.1.mlp.gate_up_proj"
     ):
-        fp8_linear.load_fp8_model(tmp_path, torch.float32, torch.device("cpu"))
+        fp8_weights.load_fp8_model(tmp_path, torch.float32, torch.device("cpu"))
 
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     with pytest.raises(ValueError, match="block-wise FP8"):
-        fp8_linear.fp8_checkpoint_scheme(config)
+        fp8_weights.fp8_checkpoint_scheme(config)
     config["quantization_config"] = {"quant_method": "awq"}
     with pytest.raises(ValueError, match="unsupported quantization method 'awq'"):
-        fp8_linear.fp8_checkpoint_scheme(config)
+        fp8_weights.fp8_checkpoint_scheme(config)
 
 
 def test_scaled_mm_probe_says_why_it_falls_back(caplog: pytest.LogCaptureFixture) -> None:
-    from infer8.quant.fp8_linear import supports_scaled_mm
+    from infer8.layers.fp8_linear import supports_scaled_mm
 
-    with caplog.at_level("INFO", logger="infer8.quant.fp8_linear"):
+    with caplog.at_level("INFO", logger="infer8.layers.fp8_linear"):
         assert supports_scaled_mm(torch.device("cpu")) is False
     assert "dequantize then matmul" in caplog.text and "no FP8 matmul on cpu" in caplog.text

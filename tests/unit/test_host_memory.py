@@ -12,14 +12,9 @@ import sys
 import pytest
 import torch
 
+from infer8.attention.kv_cache import KVCacheSpec, _zeros, allocate_kv_cache
 from infer8.host_memory import HostMemory
-from infer8.worker.kv_cache import (
-    KVCacheSpec,
-    _zeros,
-    allocate_kv_cache,
-    populate_in_background,
-    populate_kv_cache,
-)
+from infer8.worker.kv_populate import populate_in_background, populate_kv_cache
 
 # A fresh interpreter (mallopt is process-wide): is a 64 MB tensor inside the process heap
 # ([heap] in /proc/self/maps, where freed blocks are kept for reuse) or a mapping of its own
@@ -129,7 +124,8 @@ def test_populate_maps_the_whole_cache_and_keeps_what_it_holds(
 
 _EXIT_WHILE_POPULATING = """
 import torch
-from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache, populate_in_background
+from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
+from infer8.worker.kv_populate import populate_in_background
 caches = allocate_kv_cache(KVCacheSpec(30, 3, 64, 16, torch.bfloat16), 2048, torch.device("cpu"))
 thread = populate_in_background(caches)  # ~0.7 GB: still running at exit
 caches[0].k[0, 0] = 1.0

@@ -6,6 +6,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
+from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
 from infer8.config import CacheConfig, EngineArgs
 from infer8.core.host_tier import BlockContent, HostKVTier
 from infer8.core.kv_cache_manager import KVCacheManager
@@ -15,7 +16,6 @@ from infer8.entrypoints.openai.cli_args import make_serve_parser, serve_args_fro
 from infer8.metrics import EngineMetrics
 from infer8.request import Request
 from infer8.sampling_params import SamplingParams
-from infer8.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from infer8.worker.kv_offload import HostKVCache, num_host_blocks_for
 from infer8.worker.memory import GiB
 from infer8.worker.tail_seats import SinkSlots

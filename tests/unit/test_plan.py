@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from infer8.entrypoints.cli import CHOICES, main
+from infer8.cli import main
+from infer8.entrypoints.args import CHOICES
 from infer8.plan import PlanInputs, estimate_activation_bytes, evaluate_claim, plan_capacity
 from infer8.plan_presets import (
     DEVICE_PRESETS,
@@ -71,7 +72,7 @@ def test_qwen2_72b_kv_bytes_per_token() -> None:
 
 def test_kv_bytes_per_token_agree_with_the_engine_cache_spec() -> None:
     torch = pytest.importorskip("torch")
-    from infer8.worker.kv_cache import KVCacheSpec
+    from infer8.attention.kv_cache import KVCacheSpec
 
     for kv_cache_dtype, torch_dtype in [
         ("bfloat16", torch.bfloat16),

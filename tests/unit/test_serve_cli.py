@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
+from infer8 import cli
+from infer8.cli import build_parser
 from infer8.config import EngineArgs
-from infer8.entrypoints import cli
-from infer8.entrypoints.cli import build_parser
 from infer8.entrypoints.openai import api_server
 from infer8.entrypoints.openai.cli_args import ServerConfig, make_serve_parser, serve_args_from
 from infer8.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest

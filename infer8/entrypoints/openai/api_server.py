@@ -9,7 +9,6 @@ from types import FrameType
 from typing import Any
 
 from infer8.config import EngineArgs
-from infer8.distributed.launch import launched_env, run_launched_worker
 from infer8.engine import LLMEngine
 from infer8.entrypoints.openai.cli_args import (
     ServerConfig,
@@ -20,6 +19,7 @@ from infer8.entrypoints.openai.cli_args import (
 from infer8.entrypoints.openai.http_server import DrainingServer, make_config
 from infer8.entrypoints.openai.server import create_app
 from infer8.entrypoints.preflight import check_port, preflight
+from infer8.executor.launch import launched_env, run_launched_worker
 
 logger = logging.getLogger(__name__)
 

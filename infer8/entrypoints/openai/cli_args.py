@@ -12,16 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infer8 import __version__
 from infer8.config import EngineArgs
 from infer8.entrypoints.arg_parser import ArgumentParser
-from infer8.entrypoints.cli import add_engine_args, engine_args_from
+from infer8.entrypoints.args import add_engine_args, engine_args_from
 from infer8.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from infer8.entrypoints.openai.vllm_compat import (
     add_vllm_compat_args,
     apply_vllm_compat,
     parse_json_list,
 )
+from infer8.version import __version__
 
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 

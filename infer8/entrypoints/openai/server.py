@@ -16,7 +16,6 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTex
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from infer8 import __version__
 from infer8.engine import LLMEngine
 from infer8.entrypoints.async_engine import (
     AsyncLLMEngine,
@@ -59,6 +58,7 @@ from infer8.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from infer8.entrypoints.openai.vllm_compat import parse_json_list
 from infer8.entrypoints.sse import SSEResponse, wait_for_disconnect
 from infer8.metrics import EngineMetrics
+from infer8.version import __version__
 
 logger = logging.getLogger(__name__)
 

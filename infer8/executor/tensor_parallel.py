@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from infer8.config import EngineArgs, resolve_device
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from infer8.distributed import launch
 from infer8.distributed.parallel_state import STARTUP_TIMEOUT_S, TensorParallelGroup, new_group
 from infer8.distributed.sharding import check_tensor_parallel_size
-from infer8.distributed.worker import ADDRESS_KEY, AUTHKEY_KEY, SpawnedRank, WorkerFailure
+from infer8.executor import launch
+from infer8.executor.rank import ADDRESS_KEY, AUTHKEY_KEY, SpawnedRank, WorkerFailure
 from infer8.models.llama import LlamaArchConfig
 from infer8.models.loader import read_hf_config
 from infer8.worker.worker import Worker
@@ -49,7 +49,7 @@ _SHUTDOWN_S = 5.0
 
 
 class RankProcess:
-    """A rank started here as `python -m infer8.distributed.worker` (its own process).
+    """A rank started here as `python -m infer8.executor.rank` (its own process).
 
     `sentinel` is the read end of a pipe whose write end only the child holds: it becomes
     readable (EOF) the moment the child exits, so `multiprocessing.connection.wait` can watch
@@ -63,7 +63,7 @@ class RankProcess:
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         self._popen = subprocess.Popen(
-            [sys.executable, "-m", "infer8.distributed.worker"],
+            [sys.executable, "-m", "infer8.executor.rank"],
             stdin=subprocess.PIPE,
             pass_fds=(write_fd,),
             env=env,
@@ -176,7 +176,7 @@ class TensorParallelExecutor:
             hf_config = read_hf_config(Path(model_path))
             arch_config = LlamaArchConfig.from_hf_config(hf_config)
             check_tensor_parallel_size(arch_config, args.tensor_parallel_size)
-            from infer8.quant.fp8_linear import fp8_checkpoint_scheme
+            from infer8.models.fp8_weights import fp8_checkpoint_scheme
 
             if fp8_checkpoint_scheme(hf_config) is not None:
                 raise ValueError(

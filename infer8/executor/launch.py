@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from infer8.config import EngineArgs, resolve_device
 from infer8.distributed.parallel_state import STARTUP_TIMEOUT_S
-from infer8.distributed.worker import ADDRESS_KEY, AUTHKEY_KEY, connect_to_driver, run_worker
+from infer8.executor.rank import ADDRESS_KEY, AUTHKEY_KEY, connect_to_driver, run_worker
 
 logger = logging.getLogger(__name__)
 

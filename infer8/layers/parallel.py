@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer8.distributed.parallel_state import TensorParallelGroup
-from infer8.distributed.sharding import cdiv
+from infer8.utils import cdiv
 
 
 class RowParallelLinear(nn.Linear):

@@ -6,7 +6,7 @@ SchedulerOutput, so every rank's runner holds the same token history. A worker o
 to the connection once, a WorkerFailure, just before it exits.
 
 A rank that rank 0 starts on this machine is its own process of this package
-(`python -m infer8.distributed.worker`, its arguments pickled on standard input), so it never
+(`python -m infer8.executor.rank`, its arguments pickled on standard input), so it never
 re-imports the user's main module: scripts need no `__main__` guard and may come from stdin.
 """
 

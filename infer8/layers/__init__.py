@@ -1,0 +1,1 @@
+"""Model building blocks that know tensor parallelism and FP8 weights (modules only)."""
