@@ -7,7 +7,7 @@ engine (batch B, prompts of P tokens, a few decode steps in) and replays those c
 each after touching a buffer larger than the last-level cache (a model step's weights evict
 the KV cache between layers, so the reads come from memory as in the engine). With --lib,
 each configuration's call also runs under other builds of the native library (compile
-another tree's infer8/csrc/*.c with cpu_native's flags), outputs compared with the first's.
+another tree's infer8/attention/cpu/csrc/*.c with build.py's flags), outputs compared with the first's.
 
     python benchmarks/decode_layer_replay.py --batch 64 auto fp8_e4m3:24 fp8_e4m3:0
     python benchmarks/decode_layer_replay.py auto fp8_e4m3:24 --lib /tmp/other.so
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-import infer8.attention.cpu_native as cpu_native
+from infer8.attention.cpu.decode import DecodeKernels
+from infer8.attention.cpu.library import NativeLibrary
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
 from infer8.sampling_params import SamplingParams
@@ -51,13 +52,13 @@ def main() -> None:
 
     captured: dict[int, tuple] = {}
     current = [0]
-    layer = cpu_native.NativeFP8Gather.decode_layer
+    layer = DecodeKernels.decode_layer
 
     def capture(self, *a, **k):  # type: ignore[no-untyped-def]
         captured[current[0]] = (self, a, k)
         return layer(self, *a, **k)
 
-    cpu_native.NativeFP8Gather.decode_layer = capture  # type: ignore[method-assign]
+    DecodeKernels.decode_layer = capture  # type: ignore[method-assign]
     rng = random.Random(0)
     prompts = [
         [rng.randrange(100, 30000) for _ in range(args.prompt_len)] for _ in range(args.batch)
@@ -87,10 +88,10 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         assert i in captured, f"{config}: no native decode layer ran (not a CPU decode?)"
-    cpu_native.NativeFP8Gather.decode_layer = layer  # type: ignore[method-assign]
+    DecodeKernels.decode_layer = layer  # type: ignore[method-assign]
 
     libs = {"this build": None} | {
-        path: cpu_native.NativeFP8Gather(Path(path)) for path in args.lib
+        path: DecodeKernels(NativeLibrary(Path(path))) for path in args.lib
     }
     runs = [(i, name) for i in range(len(args.configs)) for name in libs]
     for i in range(len(args.configs)):

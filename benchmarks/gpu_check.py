@@ -113,14 +113,15 @@ def _fill_cache(cache: Any, seed: int) -> None:
 def check_kernels(
     device: torch.device, max_context: int = 32768, only: slice | None = None
 ) -> dict[str, Any]:
-    """Compare write_kv and TritonAttention.forward with TorchRefAttention on the GPU.
+    """Compare the Triton write and attention with the reference's on the GPU.
 
     only: a slice of the case list (a quick run under TRITON_INTERPRET=1 on CPU).
     """
-    from infer8.attention import triton_paged
+    from infer8.attention import reference
     from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
     from infer8.attention.metadata import build_attention_metadata
-    from infer8.attention.torch_ref import TorchRefAttention
+    from infer8.attention.triton import launch
+    from infer8.attention.triton.backend import TritonAttention
 
     rel_tol = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
     rows, failures = [], []
@@ -151,27 +152,26 @@ def check_kernels(
             k = -(-n // block_size)
             block_ids.append(perm[:k])
             perm = perm[k:]
+        is_static = static in ("head", "channel")
         spec = KVCacheSpec(1, num_kv_heads, head_dim, block_size, cache_dtype,
-                           hadamard=static == "rotated")  # fmt: skip
-        cache = allocate_kv_cache(spec, num_blocks, device)[0]
-        if static in ("head", "channel"):
+                           hadamard=static == "rotated",
+                           kv_scale="static" if is_static else "dynamic")  # fmt: skip
+        scales = None
+        if is_static:
             shape = (num_kv_heads, 1) if static == "head" else (num_kv_heads, head_dim)
-            cache.k_static_scale = torch.rand(shape, device=device) * 0.01 + 0.005
-            cache.v_static_scale = torch.rand(shape, device=device) * 0.01 + 0.005
+            k_s, v_s = (torch.rand(shape, device=device) * 0.01 + 0.005 for _ in range(2))
+            scales = ([k_s], [v_s])
+        cache = allocate_kv_cache(spec, num_blocks, device, static_scales=scales)[0]
         full = build_attention_metadata(
             seq_lens, [0] * len(seq_lens), block_ids, block_size, device
         )
         kv = torch.randn(2, full.num_real_tokens, num_kv_heads, head_dim, device=device)
         kv = kv.to(model_dtype)
-        ref, tri = TorchRefAttention(), triton_paged.TritonAttention(device)
+        tri = TritonAttention(device)
         # write: the kernel must store exactly what the reference stores
-        ref_cache = allocate_kv_cache(spec, num_blocks, device)[0]
-        ref_cache.k_static_scale, ref_cache.v_static_scale = (
-            cache.k_static_scale,
-            cache.v_static_scale,
-        )
-        ref.write_kv(ref_cache, kv[0], kv[1], full.slot_mapping)
-        tri.write_kv(cache, kv[0], kv[1], full.slot_mapping)
+        ref_cache = allocate_kv_cache(spec, num_blocks, device, static_scales=scales)[0]
+        reference.write_kv(ref_cache, kv[0], kv[1], full.slot_mapping)
+        launch.write_kv(cache, kv[0], kv[1], full.slot_mapping)
         write_exact = all(
             torch.equal(a.view(torch.uint8), b.view(torch.uint8))
             for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v))
@@ -185,8 +185,9 @@ def check_kernels(
         meta = build_attention_metadata(query_lens, computed, block_ids, block_size, device)
         q = torch.randn(meta.num_real_tokens, num_kv_heads * group, head_dim, device=device)
         q = q.to(model_dtype)
-        want = ref.forward(q, ref_cache, meta, head_dim**-0.5)
-        got = tri.forward(q, cache, meta, head_dim**-0.5, out=torch.full_like(q, float("nan")))
+        want = reference.attend_cache(q, ref_cache, meta, head_dim**-0.5)
+        nan = torch.full_like(q, float("nan"))
+        got = tri.attend(q, cache, tri.build_metadata(meta), head_dim**-0.5, out=nan)
         finite = bool(torch.isfinite(got).all())
         rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
         ok = finite and write_exact and rel <= rel_tol[model_dtype]
@@ -239,9 +240,9 @@ def _time_decode(
     rotated: bool = False,
 ) -> dict[str, Any]:
     """Time paged_decode_attention on one cache dtype; return the best config's numbers."""
-    from infer8.attention import triton_paged
     from infer8.attention.decode_roofline import decode_cost
     from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
+    from infer8.attention.triton import launch as triton_launch
 
     head_dim, block_size = 128, 16
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -257,14 +258,14 @@ def _time_decode(
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * cache.k.element_size()
     if cache.k_scale is not None:
         kv_bytes += 2 * batch * context * num_kv_heads * cache.k_scale.element_size()
-    heuristic = triton_paged.choose_num_splits(num_kv_heads, sms)
+    heuristic = triton_launch.choose_num_splits(num_kv_heads, sms)
     splits = sorted({heuristic, 1, 8, 16, 64}) if sweep else [heuristic]
     timings = []
     for cfg in configs:
         for num_splits in splits:
 
             def call(cfg: Any = cfg, num_splits: int = num_splits) -> None:
-                triton_paged.paged_decode_attention(
+                triton_launch.paged_decode_attention(
                     q, cache, out, token_idx, seq_lens, table, head_dim**-0.5, num_splits, cfg
                 )
 
@@ -304,12 +305,11 @@ def build_layer_decode(
     device: torch.device, batch: int, context: int, kv_dtype: torch.dtype, exact_tail: bool,
     num_kv_heads: int = 8, group: int = 4,
 ) -> Callable[[], torch.Tensor]:  # fmt: skip
-    """Return one layer's decode attention as a step runs it: TritonAttention.forward.
+    """Return one layer's decode attention as a step runs it: TritonAttention.write_and_attend.
 
     exact_tail: the FP8 default (24-token exact tail, 4 sinks, rotated keys), so the call
     includes the step's residuals, the tail-reading kernels and the ring write.
     """
-    from infer8.attention import triton_paged
     from infer8.attention.exact_tail import (
         DEFAULT_EXACT_SINK_TOKENS,
         DEFAULT_EXACT_TAIL_TOKENS,
@@ -317,6 +317,7 @@ def build_layer_decode(
     )
     from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
     from infer8.attention.metadata import build_attention_metadata
+    from infer8.attention.triton.backend import TritonAttention
     from infer8.worker.tail_seats import SinkSlots, TailRows
 
     head_dim, block_size = 128, 16
@@ -327,7 +328,7 @@ def build_layer_decode(
     blocks_per_seq = -(-(context + 1) // block_size)
     cache = allocate_kv_cache(spec, batch * blocks_per_seq, device, batch if window else 0)[0]
     _fill_cache(cache, seed=3)
-    for t in cache.kv_tail or ():  # residuals of 0 (empty memory could hold NaN bit patterns)
+    for t in cache.tail_store or ():  # residuals of 0 (empty memory could hold NaN bit patterns)
         t.zero_()
     block_ids = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     meta = build_attention_metadata([1] * batch, [context] * batch, block_ids, block_size, device)
@@ -341,14 +342,14 @@ def build_layer_decode(
             [1] * batch, [context] * batch, meta.decode_seq_ids,
             meta.decode_block_tables.shape[1] * block_size, device,
         )  # fmt: skip
-    backend = triton_paged.TritonAttention(device)
+    backend = TritonAttention(device)
+    step = backend.build_metadata(meta)
     q = torch.randn(batch, num_kv_heads * group, head_dim, device=device, dtype=torch.bfloat16)
     kv_new = torch.randn(2, batch, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16)
-    out = torch.empty_like(q)
     scale = head_dim**-0.5
 
     def call() -> torch.Tensor:
-        return backend.forward(q, cache, meta, scale, kv_new[0], kv_new[1], out=out)
+        return backend.write_and_attend(q, kv_new[0], kv_new[1], cache, step, scale)
 
     return call
 
@@ -357,12 +358,12 @@ def decode_attention(
     device: torch.device, copy_gb_per_s: float, batch: int, context: int, sweep: bool
 ) -> dict[str, Any]:
     """Time the decode kernel over a scattered cache; report KV bytes read per second."""
-    from infer8.attention import triton_paged
+    from infer8.attention.triton import launch as triton_launch
 
-    configs = [triton_paged.KernelConfig()]
+    configs = [triton_launch.KernelConfig()]
     if sweep:  # the default first, then tiles, warps, pipeline stages and split lengths
         configs += [
-            triton_paged.KernelConfig(
+            triton_launch.KernelConfig(
                 decode_block_n=bn, decode_num_warps=w, decode_num_stages=st,
                 decode_min_split_tokens=m,
             )
@@ -483,7 +484,7 @@ def _decode_loop(
     use_graphs: bool,
 ) -> tuple[dict[str, float], list[list[int]]]:
     """Run len(metas) greedy decode steps; return timings and the generated tokens."""
-    from infer8.attention.triton_paged import TritonAttention
+    from infer8.attention.triton.backend import TritonAttention
     from infer8.worker.cuda_graphs import CUDAGraphDecodeRunner
 
     backend = TritonAttention(caches[0].k.device)

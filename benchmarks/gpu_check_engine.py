@@ -257,7 +257,7 @@ def memory_split(
     kv_allocated = sum(
         t.numel() * t.element_size()
         for c in worker.kv_caches
-        for t in (c.k, c.v, c.k_scale, c.v_scale, *(c.kv_tail or ()))  # blocks and tail rings
+        for t in (c.k, c.v, c.k_scale, c.v_scale, *(c.tail_store or ()))  # blocks and tail rings
         if t is not None
     )
     out: dict[str, Any] = {

@@ -2,17 +2,14 @@
 
     python benchmarks/kv_step_ab.py auto:0 fp8_e4m3:0 fp8_e4m3:24          # decode, batch 32
     python benchmarks/kv_step_ab.py --prefill-tokens 2048 auto:0 fp8_e4m3:24
-    python benchmarks/kv_step_ab.py auto:0:gather auto:0 fp8_e4m3:24:gather fp8_e4m3:24
     python benchmarks/kv_step_ab.py --dtype auto --batch 64 auto:0 fp8_e4m3:24 fp8_e4m3:0
     python benchmarks/kv_step_ab.py --dtype auto --prefill-tokens 128 --prefill-prompts 32 \
         auto:0 fp8_e4m3:24                                       # W1's prefill step
     python benchmarks/kv_step_ab.py --dtype auto --w1 6 --batch 64 auto:0 fp8_e4m3:24
     python benchmarks/kv_step_ab.py --dtype auto --w1 6 --interleave auto:0 fp8_e4m3:24
 
-Each configuration is KV_DTYPE:TAIL_TOKENS[:gather] (`--kv-cache-exact-tail-tokens`; ignored for
-16/32-bit caches); sinks and rotation stay on auto. `gather` turns off the fused native decode
-attention (csrc/decode_attention.c) for that engine: blocks gathered into a buffer, then
-batched matmuls, as before it. Decode: every engine holds 32 (`--batch`) running requests of
+Each configuration is KV_DTYPE:TAIL_TOKENS (`--kv-cache-exact-tail-tokens`; ignored for
+16/32-bit caches); sinks and rotation stay on auto. Decode: every engine holds 32 (`--batch`) running requests of
 a 128-token prompt; the engines take one step each in turn, 40 times, and the median step is
 printed with its ratio to the first configuration's. Prefill: each engine prefills one prompt
 of N tokens (or `--prefill-prompts` of them, in one step) in turn, 3 times; medians. W1
@@ -39,7 +36,7 @@ from infer8.sampling_params import SamplingParams
 def _engine(
     config: str, max_num_seqs: int, dtype: str = "float32", batched_tokens: int | None = None
 ) -> LLMEngine:
-    kv, tail, *how = config.split(":")
+    kv, tail = config.split(":")[:2]
     engine = LLMEngine(
         EngineArgs(
             dtype=dtype,
@@ -51,9 +48,6 @@ def _engine(
             enable_prefix_caching=False,
         )
     )
-    if how == ["gather"]:
-        native = engine.executor.driver_worker.attn_backend._native  # type: ignore[attr-defined]
-        native.decode_supported = lambda *args: False  # this engine's instance only
     return engine
 
 
@@ -170,7 +164,7 @@ def _phases(steps: list[list[float]], base: list[list[float]]) -> str:
 def main() -> None:
     """Print one line per configuration."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("configs", nargs="+", help="KV_DTYPE:TAIL_TOKENS[:gather]")
+    parser.add_argument("configs", nargs="+", help="KV_DTYPE:TAIL_TOKENS")
     parser.add_argument("--prefill-tokens", type=int, default=0, help="time prefill instead")
     parser.add_argument("--dtype", default="float32", help="compute dtype (auto: bf16 on CPUs "
                         "with bf16 units)")  # fmt: skip

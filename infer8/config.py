@@ -1,12 +1,18 @@
-"""Frozen configuration dataclasses; "auto" values are resolved once by the engine."""
+"""Frozen configuration dataclasses; "auto" values are resolved once, into an EngineConfig
+(EngineArgs.create_engine_config) that the engine hands to its executor and every worker."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
+
+from infer8.attention import tail_kernels_available
+from infer8.attention.exact_tail import resolve_exact_tail
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -164,7 +170,7 @@ class CacheConfig:
     kv_scale: str = "dynamic"
     kv_scales_path: str | None = None
     enable_prefix_caching: bool = True
-    # FP8 only (see attention/exact_tail.py): None = auto, resolved once by the engine.
+    # FP8 only (see attention/exact_tail.py): None = auto, resolved by create_engine_config.
     kv_cache_exact_tail_tokens: int | None = None
     kv_cache_exact_sink_tokens: int | None = None
     kv_cache_hadamard: bool | None = None
@@ -279,6 +285,23 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class EngineConfig:
+    """Every setting the engine and its workers run with, resolved once from EngineArgs and the
+    model's config.json: the cache's exact tail and rotation are values here, not autos.
+
+    Static KV scales are a request in cache_config.kv_scale: a worker that finds none in the
+    checkpoint or --kv-scales-path says so loudly and stores dynamic scales instead.
+    """
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    kv_events_config: KVEventsConfig
+    quantization: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineArgs:
     """The flat user-facing options (LLM(...) kwargs and CLI flags); one source of truth."""
 
@@ -365,6 +388,37 @@ class EngineArgs:
             scheduler=self.scheduler,
         )
         return model_config, cache_config, scheduler_config
+
+    def create_engine_config(self, model_path: str, hf_config: dict[str, Any]) -> EngineConfig:
+        """Validate and resolve every auto once, for a model whose config.json is hf_config."""
+        model_config, cache_config, scheduler_config = self.create_configs(model_path)
+        num_heads = hf_config["num_attention_heads"]
+        head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads
+        kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
+        tail = resolve_exact_tail(
+            cache_config.kv_cache_exact_tail_tokens,
+            cache_config.kv_cache_hadamard,
+            is_fp8=kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
+            kernels_read_tail=tail_kernels_available(model_config.device),
+            has_static_scales=cache_config.kv_scale == "static",
+            head_dim=head_dim,
+            sink_tokens=cache_config.kv_cache_exact_sink_tokens,
+            block_size=cache_config.block_size,
+        )
+        cache_config = dataclasses.replace(
+            cache_config,
+            kv_cache_exact_tail_tokens=tail.tokens,
+            kv_cache_exact_sink_tokens=tail.sink_tokens,
+            kv_cache_hadamard=tail.hadamard,
+        )
+        return EngineConfig(
+            dataclasses.replace(model_config, model=model_path),
+            cache_config,
+            scheduler_config,
+            self.create_parallel_config(),
+            self.create_kv_events_config(),
+            None if self.quantization == "none" else self.quantization,
+        )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -45,16 +46,18 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         """Build the engine: the executor's workers first, then the scheduler over their cache."""
         model_path = resolve_model_path(args.model)
-        model_config, cache_config, scheduler_config = args.create_configs(model_path)
+        # A GGUF file is read once, for the weights, the tokenizer and its config.
+        gguf = _read_gguf(model_path)
+        # a clear error for a directory without config.json
+        hf_config = read_hf_config(Path(model_path)) if gguf is None else gguf.hf_config
+        self.config = args.create_engine_config(model_path, hf_config)  # every auto, once
+        model_config = self.config.model_config
+        cache_config, scheduler_config = self.config.cache_config, self.config.scheduler_config
         if args.dtype == "auto" and model_config.dtype == torch.float32:
             print(
                 "dtype auto: float32 (this CPU has no bf16 units; bf16 would be emulated, "
                 "~70x slower)"
             )
-        # A GGUF file is read once, for both the weights and the tokenizer.
-        gguf = _read_gguf(model_path)
-        if gguf is None:
-            read_hf_config(Path(model_path))  # a clear error for a directory without config.json
         self.tokenizer = _load_tokenizer(model_path, gguf)
         if args.chat_template is not None:
             self.tokenizer.set_chat_template(args.chat_template)
@@ -72,27 +75,26 @@ class LLMEngine:
             print(
                 f"Sampling defaults (the generation config's) for requests that set none: {defaults}"
             )
-        self.executor: Executor = create_executor(args, model_path, gguf)
-        worker = self.executor.driver_worker
-        assert worker is not None
-        self.model_config = worker.model_config  # max_model_len resolved
+        self.vocab_size = int(hf_config["vocab_size"])  # valid token ids are below it
+        # Grammars compile on first use (xgrammar loads lazily); rank 0's runner masks logits.
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
+        self.executor: Executor = create_executor(self.config, gguf, self.structured_output)
+        info = self.executor.driver_worker.info  # what the device side sized: plain data
+        self.model_config = dataclasses.replace(model_config, max_model_len=info.max_model_len)
         self.cache_config, self.scheduler_config = cache_config, scheduler_config
-        self.kv_spec = worker.kv_spec
-        self.num_blocks = worker.num_blocks
-        self.num_tail_rows = worker.num_tail_rows
-        self.num_host_blocks = worker.num_host_blocks
-        self.max_model_len = worker.max_model_len
-        self.vocab_size = worker.model.config.vocab_size  # valid token ids are below it
-        self.kv_events_config = args.create_kv_events_config()
+        self.kv_spec = info.kv_spec
+        self.num_blocks = info.num_blocks
+        self.num_tail_rows = info.num_tail_rows
+        self.num_host_blocks = info.num_host_blocks
+        self.max_model_len = info.max_model_len
+        self._kv_scale_source = info.kv_scale_source
+        self.kv_events_config = self.config.kv_events_config
         self.kv_event_publisher = create_event_publisher(self.kv_events_config)
         if self.kv_events_config.is_enabled and (
             not cache_config.enable_prefix_caching or scheduler_config.scheduler == "static"
         ):
             logger.warning("KV cache events are on but prefix caching is off: none will be sent")
         self.kv_cache_manager, self.scheduler = self._build_scheduler()
-        # Grammars compile on first use (xgrammar loads lazily); rank 0's runner masks logits.
-        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
-        worker.runner.structured_output = self.structured_output
         self.req_states: dict[str, RequestState] = {}
         self._req_counter = itertools.count()
         self.stat_loggers: list[Callable[[SchedulerStats], None]] = []
@@ -108,7 +110,7 @@ class LLMEngine:
     @property
     def kv_scale_source(self) -> str:
         """Return where FP8 scales come from: none, dynamic, static (...)."""
-        return self.worker.kv_scale_source
+        return self._kv_scale_source
 
     def kv_saturation_counts(self) -> list[int]:
         """Return per-layer counts of K/V values clipped at the FP8 max on write."""

@@ -25,8 +25,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from infer8.attention.exact_tail import DEFAULT_EXACT_SINK_TOKENS, DEFAULT_EXACT_TAIL_TOKENS
-from infer8.config import cuda_max_num_batched_tokens
+import torch
+
+from infer8.attention.exact_tail import resolve_exact_tail
+from infer8.attention.kv_cache import KVCacheSpec
+from infer8.config import KVCacheDType, cuda_max_num_batched_tokens
 from infer8.plan_presets import (
     BF16_BYTES,
     KV_ELEMENT_BYTES,
@@ -69,14 +72,19 @@ class PlanInputs:
     kv_cache_exact_sink_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        tail = self.kv_cache_exact_tail_tokens
-        if tail is None:
-            auto = KV_ELEMENT_BYTES.get(self.kv_cache_dtype) == 1 and self.device.has_e4m3
-            tail = DEFAULT_EXACT_TAIL_TOKENS if auto else 0
-            object.__setattr__(self, "kv_cache_exact_tail_tokens", tail)
-        if self.kv_cache_exact_sink_tokens is None:
-            sinks = DEFAULT_EXACT_SINK_TOKENS if tail else 0
-            object.__setattr__(self, "kv_cache_exact_sink_tokens", sinks)
+        if self.kv_cache_dtype in KV_ELEMENT_BYTES:  # the engine's auto (the worker's rule)
+            tail = resolve_exact_tail(
+                self.kv_cache_exact_tail_tokens,
+                None,
+                is_fp8=KV_ELEMENT_BYTES[self.kv_cache_dtype] == 1,
+                kernels_read_tail=self.device.has_e4m3,
+                has_static_scales=not self.use_kv_scales,
+                head_dim=self.model.head_dim,
+                sink_tokens=self.kv_cache_exact_sink_tokens,
+                block_size=self.block_size,
+            )
+            object.__setattr__(self, "kv_cache_exact_tail_tokens", tail.tokens)
+            object.__setattr__(self, "kv_cache_exact_sink_tokens", tail.sink_tokens)
         if self.max_num_batched_tokens is None:
             auto = cuda_max_num_batched_tokens(self.device.memory_bytes, self.device.name)
             object.__setattr__(self, "max_num_batched_tokens", auto)
@@ -130,27 +138,27 @@ class PlanInputs:
         return max(1, self.model.num_key_value_heads // self.tensor_parallel_size)
 
 
+def kv_cache_spec(inputs: PlanInputs, num_kv_heads: int) -> KVCacheSpec:
+    """Return the KVCacheSpec the engine would build for `num_kv_heads` KV heads (its bytes per
+    token and tail bytes are the engine's own rules). Without per-token scales
+    (`use_kv_scales` False) the cache is costed as with static ones."""
+    m = inputs.model
+    dtype = KVCacheDType.parse(inputs.kv_cache_dtype).torch_dtype(torch.bfloat16)
+    return KVCacheSpec(
+        m.num_hidden_layers, num_kv_heads, m.head_dim, inputs.block_size, dtype,
+        inputs.kv_cache_exact_tail_tokens or 0, inputs.kv_cache_exact_sink_tokens or 0,
+        kv_scale="dynamic" if inputs.use_kv_scales else "static",
+    )  # fmt: skip
+
+
 def kv_bytes_per_token(inputs: PlanInputs, num_kv_heads: int) -> int:
     """Return K+V bytes of one token over all layers for `num_kv_heads` heads."""
-    m = inputs.model
-    per_layer = 2 * num_kv_heads * m.head_dim * KV_ELEMENT_BYTES[inputs.kv_cache_dtype]
-    if inputs.is_fp8_kv and inputs.use_kv_scales:
-        per_layer += 2 * num_kv_heads * BF16_BYTES  # one bf16 scale per token per head, K and V
-    return per_layer * m.num_hidden_layers
+    return kv_cache_spec(inputs, num_kv_heads).bytes_per_token
 
 
 def exact_tail_bytes(inputs: PlanInputs) -> int:
-    """Return one device's FP8 exact-tail stores: max_num_seqs x (N - 1 + S) residual tokens.
-
-    A residual token costs what an FP8 token with scales does (E4M3 plus a bf16 scale per head).
-    """
-    if not inputs.is_fp8_kv or inputs.kv_cache_exact_tail_tokens < 1:
-        return 0
-    m = inputs.model
-    heads = inputs.num_kv_heads_per_device
-    per_token = 2 * heads * (m.head_dim + BF16_BYTES) * m.num_hidden_layers
-    store = inputs.kv_cache_exact_tail_tokens - 1 + inputs.kv_cache_exact_sink_tokens
-    return inputs.max_num_seqs * store * per_token
+    """Return one device's FP8 exact-tail stores: max_num_seqs x (N - 1 + S) residual tokens."""
+    return kv_cache_spec(inputs, inputs.num_kv_heads_per_device).tail_bytes(inputs.max_num_seqs)
 
 
 def estimate_activation_bytes(inputs: PlanInputs) -> int:

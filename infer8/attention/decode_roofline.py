@@ -1,4 +1,4 @@
-"""FLOPs and bytes of one layer's split-K decode attention (triton_paged.paged_decode_attention).
+"""FLOPs and bytes of one layer's split-K decode attention (triton/launch.py: paged_decode_attention).
 
 A roofline model from the shapes alone: what the kernels issue (tl.dot multiplies BLOCK_G =
 max(16, group) query rows per program, padding included) and what they move (the KV read from

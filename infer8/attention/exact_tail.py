@@ -167,7 +167,7 @@ def tail_values(
     """Return (residual, its scales, tail value) of a step's K and V ([n, 2, kvh, d]; one
     static scale or None per tensor of dim 1).
 
-    The torch reference of the native pass (cpu_native.tail_residual), static scales included.
+    The torch reference of the native pass (cpu/kv_kernels.py: tail_residual), static scales included.
     """
     blocks = [block_value(kv[:, i], cache_dtype, s) for i, s in enumerate(statics)]
     x_block = torch.stack(blocks, dim=1)

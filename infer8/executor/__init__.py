@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from infer8.config import EngineArgs
+from infer8.config import EngineConfig
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.worker.worker import Worker
 
 if TYPE_CHECKING:
     from infer8.models.gguf_loader import GGUFModel
+    from infer8.structured_output.manager import StructuredOutputManager
 
 
 class Executor(Protocol):
@@ -49,10 +50,15 @@ class UniProcExecutor:
         """Nothing to stop."""
 
 
-def create_executor(args: EngineArgs, model_path: str, gguf: GGUFModel | None = None) -> Executor:
-    """Build the workers for these args: one here, or one per tensor-parallel rank."""
-    if args.tensor_parallel_size > 1:
+def create_executor(
+    config: EngineConfig,
+    gguf: GGUFModel | None = None,
+    structured_output: StructuredOutputManager | None = None,
+) -> Executor:
+    """Build the workers for this config: one here, or one per tensor-parallel rank (rank 0's
+    with the engine's grammars)."""
+    if config.parallel_config.tensor_parallel_size > 1:
         from infer8.executor.tensor_parallel import TensorParallelExecutor
 
-        return TensorParallelExecutor.start(args, model_path, gguf)
-    return UniProcExecutor(Worker(args, model_path, None, gguf))
+        return TensorParallelExecutor.start(config, gguf, structured_output)
+    return UniProcExecutor(Worker(config, None, gguf, structured_output=structured_output))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from infer8.config import EngineArgs, resolve_device
 from infer8.distributed.parallel_state import STARTUP_TIMEOUT_S
 from infer8.executor.rank import ADDRESS_KEY, AUTHKEY_KEY, connect_to_driver, run_worker
+from infer8.models.loader import read_model_config, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -91,4 +92,6 @@ def run_launched_worker(args: EngineArgs, env: LaunchEnv) -> int:
     store = rendezvous_store(env)
     conn = connect_to_driver(store, env.rank)
     logger.info("tensor-parallel rank %d connected to rank 0", env.rank)
-    return run_worker(args, store, env.rank, env.world_size, conn)
+    model_path = resolve_model_path(args.model)
+    config = args.create_engine_config(model_path, read_model_config(model_path))
+    return run_worker(config, store, env.rank, env.world_size, conn)

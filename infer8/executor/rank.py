@@ -24,10 +24,9 @@ from multiprocessing.connection import Client, Connection
 import torch
 import torch.distributed as dist
 
-from infer8.config import EngineArgs, resolve_device
+from infer8.config import EngineConfig
 from infer8.core.sched_output import SchedulerOutput
 from infer8.distributed.parallel_state import STARTUP_TIMEOUT_S, new_group
-from infer8.models.loader import resolve_model_path
 from infer8.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ class WorkerFailure:
 class SpawnedRank:
     """What rank 0 hands a rank it starts here (pickled on the rank's standard input)."""
 
-    args: EngineArgs
+    config: EngineConfig  # rank 0's, resolved once
     rank: int
     world_size: int
     store_port: int
@@ -68,7 +67,7 @@ def run_spawned_worker(spec: SpawnedRank) -> int:
     """Run a rank that rank 0 started on this machine; return an exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
     torch.set_num_threads(spec.num_threads)
-    if resolve_device(spec.args.device).type == "cuda":
+    if spec.config.model_config.device.type == "cuda":
         torch.cuda.set_device(spec.rank)
     store = dist.TCPStore(
         "127.0.0.1",
@@ -78,17 +77,17 @@ def run_spawned_worker(spec: SpawnedRank) -> int:
         timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
     )
     conn = connect_to_driver(store, spec.rank)
-    return run_worker(spec.args, store, spec.rank, spec.world_size, conn)
+    return run_worker(spec.config, store, spec.rank, spec.world_size, conn)
 
 
 def run_worker(
-    args: EngineArgs, store: dist.Store, rank: int, world_size: int, conn: Connection
+    config: EngineConfig, store: dist.Store, rank: int, world_size: int, conn: Connection
 ) -> int:
     """Build this rank's Worker and run steps until rank 0 stops; return an exit code."""
     try:
-        device = resolve_device(args.device)
+        device = config.model_config.device
         group = new_group(store, rank, world_size, device, lambda: _check_rank0(conn))
-        worker = Worker(args, resolve_model_path(args.model), group)
+        worker = Worker(config, group)
         while True:
             try:
                 message: SchedulerOutput | None = conn.recv()

@@ -8,7 +8,6 @@ connections fail the collective waiting on it, and its exit is checked before ev
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pickle
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from infer8.config import EngineArgs, resolve_device
+from infer8.config import EngineConfig
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.distributed.parallel_state import STARTUP_TIMEOUT_S, TensorParallelGroup, new_group
 from infer8.distributed.sharding import check_tensor_parallel_size
@@ -39,6 +38,7 @@ from infer8.worker.worker import Worker
 
 if TYPE_CHECKING:
     from infer8.models.gguf_loader import GGUFModel
+    from infer8.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -169,13 +169,18 @@ class TensorParallelExecutor:
 
     @classmethod
     def start(
-        cls, args: EngineArgs, model_path: str, gguf: GGUFModel | None = None
+        cls,
+        config: EngineConfig,
+        gguf: GGUFModel | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ) -> TensorParallelExecutor:
         """Start ranks 1..N-1 here, or join those a launcher started; build rank 0's Worker."""
+        model_path = config.model_config.model
+        world_size = config.parallel_config.tensor_parallel_size
         if Path(model_path).is_dir():  # refuse a bad split before starting any process
             hf_config = read_hf_config(Path(model_path))
             arch_config = LlamaArchConfig.from_hf_config(hf_config)
-            check_tensor_parallel_size(arch_config, args.tensor_parallel_size)
+            check_tensor_parallel_size(arch_config, world_size)
             from infer8.models.fp8_weights import fp8_checkpoint_scheme
 
             if fp8_checkpoint_scheme(hf_config) is not None:
@@ -183,11 +188,10 @@ class TensorParallelExecutor:
                     "FP8-weight checkpoints do not support tensor parallelism yet; load the "
                     "16-bit checkpoint with --quantization fp8 (quantized per rank at load)"
                 )
-        args = dataclasses.replace(args, model=model_path)  # every rank loads the same files
-        device = resolve_device(args.device)
-        env = launch.launched_env(args.tensor_parallel_size)
+        device = config.model_config.device  # every rank loads the same files, on its device
+        env = launch.launched_env(world_size)
         if env is None:
-            executor = cls._spawn(args, device)
+            executor = cls._spawn(config, device)
         elif env.rank != 0:
             raise ValueError(
                 f"launched as rank {env.rank}: only rank 0 builds the engine; start every rank "
@@ -196,15 +200,17 @@ class TensorParallelExecutor:
         else:
             executor = cls._join_launched(env, device)
         try:
-            executor.driver_worker = Worker(args, model_path, executor.group, gguf)
+            executor.driver_worker = Worker(
+                config, executor.group, gguf, structured_output=structured_output
+            )
         except BaseException:
             executor.shutdown()
             raise
         return executor
 
     @classmethod
-    def _spawn(cls, args: EngineArgs, device: torch.device) -> TensorParallelExecutor:
-        world_size = args.tensor_parallel_size
+    def _spawn(cls, config: EngineConfig, device: torch.device) -> TensorParallelExecutor:
+        world_size = config.parallel_config.tensor_parallel_size
         store = dist.TCPStore(
             "127.0.0.1",
             0,
@@ -219,7 +225,7 @@ class TensorParallelExecutor:
             store.set(ADDRESS_KEY, f"127.0.0.1:{listener.address[1]}")
             processes = {
                 rank: RankProcess(
-                    SpawnedRank(args, rank, world_size, store.port, torch.get_num_threads())
+                    SpawnedRank(config, rank, world_size, store.port, torch.get_num_threads())
                 )
                 for rank in range(1, world_size)
             }

@@ -186,7 +186,7 @@ class DecoderLayer(nn.Module):
         pending: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        meta: AttentionMetadata,
+        attn_metadata: Any,
         cache: LayerKVCache,
         ops: ElementwiseOps,
         backend: AttentionBackend,
@@ -206,7 +206,8 @@ class DecoderLayer(nn.Module):
         # q and k heads rotate in one pass (half the small element-wise ops of a decode step)
         qk = ops.rope_(qkv[:, : attn.q_size + attn.kv_size].view(t, heads + kv_heads, d), cos, sin)
         v = qkv[:, attn.q_size + attn.kv_size :].view(t, kv_heads, d)
-        o = backend.write_and_attend(qk[:, :heads], qk[:, heads:], v, cache, meta, attn.scale)
+        q, k = qk[:, :heads], qk[:, heads:]
+        o = backend.write_and_attend(q, k, v, cache, attn_metadata, attn.scale)
         norm = self.post_attention_layernorm
         h = ops.rms_norm(x, norm.weight, norm.eps, attn.o_proj.forward(o.reshape(t, -1)))
         return mlp.down_proj.forward(ops.silu_and_mul(mlp.gate_up_proj.forward(h)))
@@ -274,16 +275,23 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[LayerKVCache],
+        attn_metadata: Any = None,
     ) -> torch.Tensor:
-        """Return final hidden states [num_tokens, hidden] for input_ids [num_tokens]."""
+        """Return final hidden states [num_tokens, hidden] for input_ids [num_tokens].
+
+        attn_metadata: the backend's metadata of this step where the caller built it (a CUDA
+        graph's static buffers); else the backend builds it from `meta` here, once.
+        """
         backend = self.attention_backend
         assert backend is not None, "set_attention_backend before the first forward"
+        if attn_metadata is None:
+            attn_metadata = backend.build_metadata(meta)
         x = self.embed_tokens(input_ids)  # a fresh tensor: the layers add to it in place
         cos = self.cos_table[positions]  # [num_tokens, head_dim / 2]
         sin = self.sin_table[positions]
         ops, pending = self.ops, None
         for layer, cache in zip(self.layers, kv_caches):
-            pending = layer.forward(x, pending, cos, sin, meta, cache, ops, backend)
+            pending = layer.forward(x, pending, cos, sin, attn_metadata, cache, ops, backend)
         return ops.rms_norm(x, self.norm.weight, self.norm.eps, pending)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,16 @@ def read_hf_config(model_path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
+def read_model_config(model_path: str) -> dict[str, Any]:
+    """Return a model's config.json: a directory's, or the one a GGUF file's metadata implies."""
+    path = Path(model_path)
+    if path.is_file() and _has_gguf_magic(path):
+        from infer8.models.gguf_loader import gguf_hf_config
+
+        return gguf_hf_config(path)
+    return read_hf_config(path)
+
+
 def iter_safetensors(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from every shard, memory-mapped (no copy until cast)."""
     files = sorted(model_path.glob("*.safetensors"))

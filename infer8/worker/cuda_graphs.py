@@ -21,8 +21,8 @@ import torch
 
 from infer8.attention.kv_cache import LayerKVCache
 from infer8.attention.metadata import AttentionMetadata
-from infer8.attention.triton_paged import TritonAttention, TritonStepMetadata
-from infer8.attention.triton_tail import TritonTailStep, build_tail_step
+from infer8.attention.triton.backend import TritonAttention, TritonStepMetadata
+from infer8.attention.triton.tail import TritonTailStep, build_tail_step
 from infer8.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,10 @@ class _Bucket:
         )
         empty = torch.zeros(0, dtype=torch.int32, device=device)
         self.step = TritonStepMetadata(
+            num_real_tokens=size,
+            slot_mapping=self.slot_mapping,
+            num_decode=size,
+            num_prefill=0,
             decode_token_ids=token_ids,
             decode_seq_lens=self.seq_lens,
             decode_block_tables=self.block_tables,
@@ -172,7 +176,6 @@ class CUDAGraphDecodeRunner:
         pool = api.pool() if api is not None else None
         for size in sorted(self.buckets, reverse=True):
             bucket = self._buckets[size]
-            self.backend.bind(bucket.meta, bucket.step)
             if api is None:
                 continue
             self._forward(bucket)  # compiles the kernels outside the capture
@@ -183,8 +186,9 @@ class CUDAGraphDecodeRunner:
         logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
-        self.backend.bind(bucket.meta, bucket.step)
-        return self.model(bucket.input_ids, bucket.positions, bucket.meta, self.kv_caches)
+        return self.model(
+            bucket.input_ids, bucket.positions, bucket.meta, self.kv_caches, bucket.step
+        )
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """Return whether a step of num_tokens is all decodes, unpadded, within the buckets."""

@@ -108,7 +108,7 @@ def build_profile_step(
 
     max_num_batched_tokens prompt tokens in sequences of at most max_len tokens.
     """
-    spec = dataclasses.replace(kv_spec, exact_tail_tokens=0, hadamard=False)
+    spec = dataclasses.replace(kv_spec, exact_tail_tokens=0, exact_sink_tokens=0, hadamard=False)
     query_lens = [min(max_len, max_num_batched_tokens - i)
                   for i in range(0, max_num_batched_tokens, max_len)]  # fmt: skip
     block_ids, next_block = [], 0

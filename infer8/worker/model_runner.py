@@ -40,6 +40,8 @@ class ModelRunner:
         is_driver: bool = True,
         exact_tail: KVCacheSpec | None = None,
         host_kv_cache: HostKVCache | None = None,
+        structured_output: StructuredOutputManager | None = None,
+        sampler: Sampler | None = None,
     ) -> None:
         # A tensor-parallel worker (is_driver False) runs the model but leaves sampling to rank 0.
         self.is_driver = is_driver
@@ -48,21 +50,21 @@ class ModelRunner:
         self.host_kv_cache = host_kv_cache  # the host-memory tier (--kv-offloading-size)
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(device, seed)
+        self.sampler = sampler or Sampler(device, seed)
         self.states: dict[str, SamplingState] = {}
         self.block_tables = BlockTables()  # each running request's blocks, kept across steps
         # Set by the worker on CUDA unless enforce_eager: replays captured decode graphs.
         self.graph_runner: CUDAGraphDecodeRunner | None = None
-        # Set by the engine: masks constrained rows' logits by their grammars before sampling.
-        self.structured_output: StructuredOutputManager | None = None
+        # Rank 0's grammars (the engine's): mask constrained rows' logits before sampling.
+        self.structured_output = structured_output
         # An FP8 cache's exact tail: one ring row per running request (a seat), and as many
         # sink slots, keyed by first blocks.
         self.exact_tail_tokens = exact_tail.exact_tail_tokens if exact_tail else 0
         self.exact_sink_tokens = exact_tail.exact_sink_tokens if exact_tail else 0
         self.tail_rows: TailRows | None = None
         self.sink_slots: SinkSlots | None = None
-        if self.exact_tail_tokens and kv_caches and kv_caches[0].kv_tail is not None:
-            num_rows = kv_caches[0].kv_tail[0].shape[1]
+        if self.exact_tail_tokens and kv_caches and kv_caches[0].tail_store is not None:
+            num_rows = kv_caches[0].tail_store[0].shape[1]
             self.tail_rows = TailRows(num_rows)
             self.sink_slots = SinkSlots(num_rows)
 

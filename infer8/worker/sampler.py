@@ -30,7 +30,7 @@ _GREEDY_TEMPERATURE = 1e-5
 # instead of a sort. 32 rows of a 49,152-token vocab: sort 60 ms, topk(256) 3 ms, topk(4096)
 # 10 ms (docs/benchmarks.md, "Online").
 CANDIDATES = (256, 4096)
-# On CPU a native pass finds each row's candidates instead (NativeFP8Gather.nucleus_candidates:
+# On CPU a native pass finds each row's candidates instead (NativeSampling.nucleus_candidates:
 # every token within a few natural-log units of the row's maximum, as few units as hold the
 # row's top-p mass and top-k); rows with more than NATIVE_CAP of them take the tiers above.
 NATIVE_CAP = 4096
@@ -237,23 +237,29 @@ def _filter_candidates(
     return probs.masked_fill(drop, 0.0), ids, fits.squeeze(1)
 
 
+Candidates = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, int],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+]
+
+
 class Sampler:
     """Samples one token per row; greedy rows take the argmax, seeded rows their own generator."""
 
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        seed: int,
+        greedy: Callable[[torch.Tensor, float], list[int]] | None = None,
+        candidates: Candidates | None = None,
+    ) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         # (logits, limit) -> each row's argmax after _finite_, without the copy: a native pass
-        # on CPU (NativeFP8Gather.greedy), for steps whose rows are all plain greedy
-        self.greedy: Callable[[torch.Tensor, float], list[int]] | None = None
+        # on CPU (NativeSampling.greedy), for steps whose rows are all plain greedy
+        self.greedy = greedy
         # (scaled logits, top_p, top_k, cap) -> (ids, count, row max, softmax denominator): the
-        # CPU's native candidate pass (NativeFP8Gather.nucleus_candidates), set like greedy
-        self.candidates: (
-            Callable[
-                [torch.Tensor, torch.Tensor, torch.Tensor, int],
-                tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-            ]
-            | None
-        ) = None
+        # CPU's native candidate pass (NativeSampling.nucleus_candidates)
+        self.candidates = candidates
 
     def __call__(
         self,

@@ -1,8 +1,9 @@
 """Worker: one rank's device side: the model shard, the KV cache, the attention backend, graphs.
 
-Rank 0 and ranks 1..N-1 build the same Worker from the same EngineArgs; the engine (rank 0
-only) keeps the tokenizer, the scheduler and output processing, and reaches the device only
-through `execute_model(SchedulerOutput) -> ModelRunnerOutput`.
+Rank 0 and ranks 1..N-1 build the same Worker from the same EngineConfig (resolved once, from
+the engine down); the engine (rank 0 only) keeps the tokenizer, the scheduler and output
+processing, reaches the device only through `execute_model(SchedulerOutput) ->
+ModelRunnerOutput`, and reads what the worker sized as plain data (WorkerInfo).
 """
 
 from __future__ import annotations
@@ -11,21 +12,22 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from infer8.attention import select_backend, tail_kernels_available
-from infer8.attention.cpu_native import NativeFP8Gather
-from infer8.attention.exact_tail import describe_exact_tail, resolve_exact_tail
+from infer8.attention import select_backend
+from infer8.attention.cpu import NativeKernels
+from infer8.attention.exact_tail import describe_exact_tail
 from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
-from infer8.config import EngineArgs, ModelConfig, SchedulerConfig
+from infer8.config import EngineArgs, EngineConfig, ModelConfig, SchedulerConfig
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.distributed.sharding import TensorParallelShard
 from infer8.host_memory import HostMemory
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
-from infer8.models.loader import load_model
+from infer8.models.loader import load_model, read_model_config
 from infer8.quant import fp8, kv_scales
 from infer8.utils import cdiv
 from infer8.worker.cpu_linear import (
@@ -52,9 +54,11 @@ from infer8.worker.memory_profile import (
     warm_up_runtime,
 )
 from infer8.worker.model_runner import ModelRunner
+from infer8.worker.sampler import Sampler
 
 if TYPE_CHECKING:
     from infer8.models.gguf_loader import GGUFModel
+    from infer8.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -62,23 +66,38 @@ logger = logging.getLogger(__name__)
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker sized at start-up, as the engine reads it (plain data)."""
+
+    kv_spec: KVCacheSpec
+    num_blocks: int
+    num_tail_rows: int  # exact-tail seats: the most requests that run at once with a tail
+    num_host_blocks: int
+    max_model_len: int
+    vocab_size: int
+    kv_scale_source: str  # none, dynamic, dynamic (static scales missing), static (...)
+
+
 class Worker:
     """Owns one rank's model shard, KV cache tensors, attention backend, runner and graphs."""
 
     def __init__(
         self,
-        args: EngineArgs,
-        model_path: str,
+        config: EngineConfig,
         tp_group: TensorParallelGroup | None = None,
         gguf: GGUFModel | None = None,
         memory_counters: MemoryCounters | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         """Load the shard, size and allocate the KV cache, choose the backend, capture graphs.
 
         With no --kv-cache-memory-bytes the cache gets what is left after a profiled largest
         step, read from `memory_counters` (CUDA's allocator on a GPU; on CPU only if given).
+        structured_output: rank 0's grammars, applied to logits before sampling.
         """
-        model_config, cache_config, scheduler_config = args.create_configs(model_path)
+        model_config, cache_config = config.model_config, config.cache_config
+        scheduler_config, model_path = config.scheduler_config, config.model_config.model
         if memory_counters is None and model_config.device.type == "cuda":
             memory_counters = CudaMemoryCounters(model_config.device)
         self.memory_counters = memory_counters
@@ -89,7 +108,7 @@ class Worker:
         if device.type == "cpu":  # before any oneDNN op: its caches read the cap once
             bound_kernel_caches()
         model, self.hf_config, ckpt_kv_scales = load_model(
-            model_path, model_config.dtype, device, tp_group, gguf, args.quantization
+            model_path, model_config.dtype, device, tp_group, gguf, config.quantization
         )
         self.tp_shard: TensorParallelShard | None = None
         if tp_group is not None:
@@ -98,44 +117,38 @@ class Worker:
         self.packed_linear_layers = self._pack_cpu_weights(model, model_config, scheduler_config)
         if model_config.device.type == "cpu":  # steps' large activations reuse heap blocks
             HostMemory().reuse_large_blocks()
-        kernels = None
+        native = None  # the CPU's compiled kernels: built once per machine, None without a compiler
         if model_config.device.type == "cpu" and model_config.dtype in _NATIVE_DTYPES:
-            kernels = NativeFP8Gather.load()  # built once per machine; None without a compiler
-            if kernels is not None:
-                model.set_elementwise_ops(kernels)
+            native = NativeKernels.load()
+            if native is not None:
+                model.set_elementwise_ops(native.elementwise)
         arch = model.config
         kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
-        tail = resolve_exact_tail(
-            cache_config.kv_cache_exact_tail_tokens,
-            cache_config.kv_cache_hadamard,
-            is_fp8=kv_dtype in fp8.FP8_DTYPES,
-            kernels_read_tail=tail_kernels_available(device),
-            has_static_scales=cache_config.kv_scale == "static",
-            head_dim=arch.head_dim,
-            sink_tokens=cache_config.kv_cache_exact_sink_tokens,
-            block_size=cache_config.block_size,
-        )
+        static_scales, self.kv_scale_source = self._static_kv_scales(
+            ckpt_kv_scales, kv_dtype, arch.num_hidden_layers, arch.num_key_value_heads,
+            arch.head_dim,
+        )  # fmt: skip
+        tail_tokens = cache_config.kv_cache_exact_tail_tokens or 0  # resolved in the config
         self.kv_spec = KVCacheSpec(
             num_layers=arch.num_hidden_layers,
             num_kv_heads=arch.num_key_value_heads,
             head_dim=arch.head_dim,
             block_size=cache_config.block_size,
             dtype=kv_dtype,
-            exact_tail_tokens=tail.tokens,
-            exact_sink_tokens=tail.sink_tokens,
-            hadamard=tail.hadamard,
+            exact_tail_tokens=tail_tokens,
+            exact_sink_tokens=cache_config.kv_cache_exact_sink_tokens or 0,
+            hadamard=bool(cache_config.kv_cache_hadamard),
+            kv_scale="static" if static_scales is not None else "dynamic",
         )
         # decode steps replay CUDA graphs on CUDA unless --enforce-eager (an exact tail too)
         self.uses_cuda_graphs = cuda_graphs_apply(device, model_config.enforce_eager)
-        self.attn_backend = select_backend(
-            device, self.kv_spec, enforce_eager=model_config.enforce_eager
-        )
+        self.attn_backend = select_backend(device, self.kv_spec, native)
         model.set_attention_backend(self.attn_backend)
         kv_bytes = self._kv_budget_bytes(model, model_config)
         # one exact-tail ring per seat, out of the KV budget; never more seats than the rest
         # holds blocks (a small budget would otherwise go to rings)
         self.num_tail_rows = 0
-        if tail.tokens:
+        if tail_tokens:
             per_seat = self.kv_spec.bytes_per_block + self.kv_spec.tail_bytes(1)
             self.num_tail_rows = min(scheduler_config.max_num_seqs, max(1, kv_bytes // per_seat))
         self.num_blocks = self.kv_spec.num_blocks_for(kv_bytes, self.num_tail_rows)
@@ -152,11 +165,11 @@ class Worker:
         )
         self.model_config = dataclasses.replace(model_config, max_model_len=self.max_model_len)
         self.kv_caches: list[LayerKVCache] = allocate_kv_cache(
-            self.kv_spec, self.num_blocks, device, self.num_tail_rows
-        )
+            self.kv_spec, self.num_blocks, device, self.num_tail_rows,
+            None if static_scales is None else (static_scales.k, static_scales.v),
+        )  # fmt: skip
         # CPU: the cache maps lazily; its pages are faulted in ahead of use, in idle CPU time
         self.kv_populate = populate_in_background(self.kv_caches)
-        self.kv_scale_source = self._setup_kv_scales(ckpt_kv_scales)
         self.host_kv_cache = self._allocate_host_tier(device)
         self.num_host_blocks = 0 if self.host_kv_cache is None else self.host_kv_cache.num_blocks
         if self.is_driver:
@@ -171,10 +184,14 @@ class Worker:
             is_driver=self.is_driver,
             exact_tail=self.kv_spec,
             host_kv_cache=self.host_kv_cache,
-        )
-        if kernels is not None:  # CPU logits (float32 from compute_logits): a native argmax
-            self.runner.sampler.greedy = kernels.greedy
-            self.runner.sampler.candidates = kernels.nucleus_candidates
+            structured_output=structured_output if self.is_driver else None,
+            # CPU logits (float32 from compute_logits): the native argmax and candidates
+            sampler=Sampler(
+                device, model_config.seed,
+                greedy=None if native is None else native.sampling.greedy,
+                candidates=None if native is None else native.sampling.nucleus_candidates,
+            ),
+        )  # fmt: skip
         if self.uses_cuda_graphs:
             self._capture_cuda_graphs()
         if self.memory_plan.is_measured and memory_counters is not None:
@@ -318,31 +335,37 @@ class Worker:
             )
         )
 
-    def _setup_kv_scales(self, ckpt_scales: dict[int, dict[str, torch.Tensor]]) -> str:
-        """Install static FP8 scales if asked for; return where scales come from.
+    def _static_kv_scales(
+        self,
+        ckpt_scales: dict[int, dict[str, torch.Tensor]],
+        kv_dtype: torch.dtype,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> tuple[kv_scales.StaticKVScales | None, str]:
+        """Return this rank's static FP8 scales if asked for and found, and where scales come
+        from (none, dynamic, static (...)).
 
         Static mode without scales never falls back to 1.0: it says so loudly and uses
         dynamic per-token scales instead ("dynamic (static scales missing)").
         """
-        cfg, spec = self.cache_config, self.kv_spec
-        if not spec.is_fp8:
+        cfg = self.cache_config
+        if kv_dtype not in fp8.FP8_DTYPES:
             if cfg.kv_scale == "static":
-                logger.warning("--kv-scale static has no effect with a %s KV cache", spec.dtype)
-            return "none"
+                logger.warning("--kv-scale static has no effect with a %s KV cache", kv_dtype)
+            return None, "none"
         if cfg.kv_scale == "dynamic":
-            return "dynamic"
+            return None, "dynamic"
         if cfg.kv_scales_path is not None:
             shard = self.tp_shard  # the file covers the model's KV heads; keep this rank's
-            num_kv_heads = spec.num_kv_heads if shard is None else shard.config.num_key_value_heads
+            file_heads = num_kv_heads if shard is None else shard.config.num_key_value_heads
             scales = kv_scales.load_calibration(
-                cfg.kv_scales_path, spec.dtype, spec.num_layers, num_kv_heads, spec.head_dim
+                cfg.kv_scales_path, kv_dtype, num_layers, file_heads, head_dim
             )
             if shard is not None:
                 scales = shard.shard_static_scales(scales)
         else:
-            scales = kv_scales.from_checkpoint(
-                ckpt_scales, spec.num_layers, spec.num_kv_heads, spec.head_dim
-            )
+            scales = kv_scales.from_checkpoint(ckpt_scales, num_layers, num_kv_heads, head_dim)
         if scales is None:
             message = (
                 "WARNING: --kv-scale static was requested but the checkpoint has no k_scale/v_scale "
@@ -352,12 +375,8 @@ class Worker:
             logger.warning(message)
             if self.is_driver:
                 print(message, file=sys.stderr, flush=True)
-            return "dynamic (static scales missing)"
-        device = self.model_config.device
-        for cache, k, v in zip(self.kv_caches, scales.k, scales.v):
-            cache.k_static_scale = k.to(device)
-            cache.v_static_scale = v.to(device)
-        return f"static ({scales.source})"
+            return None, "dynamic (static scales missing)"
+        return scales, f"static ({scales.source})"
 
     def _graph_capture(
         self, model: LlamaForCausalLM, max_model_len: int
@@ -396,6 +415,20 @@ class Worker:
         )
         graph_runner.capture()
         self.runner.graph_runner = graph_runner
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, model_path: str, **kwargs: Any) -> Worker:
+        """Build a Worker from flat args, resolving them as the engine does (tests, ranks that
+        a launcher started)."""
+        return cls(args.create_engine_config(model_path, read_model_config(model_path)), **kwargs)
+
+    @property
+    def info(self) -> WorkerInfo:
+        """Return what this worker sized (the engine's view of the device side)."""
+        return WorkerInfo(
+            self.kv_spec, self.num_blocks, self.num_tail_rows, self.num_host_blocks,
+            self.max_model_len, self.model.config.vocab_size, self.kv_scale_source,
+        )  # fmt: skip
 
     # -- the step API ---------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -88,18 +88,19 @@ def _configs(arch: int, which: str):
 
 
 def _launch_all(model_dtype, cache_dtype, scales: str, tail: bool, rotate: bool) -> None:
-    from infer8.attention import triton_paged
     from infer8.attention.exact_tail import build_tail_metadata
     from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
     from infer8.attention.metadata import build_attention_metadata
 
     dev = torch.device("cpu")
     kvh, group, d, bs = 2, 4, 128, 16
-    spec = KVCacheSpec(1, kvh, d, bs, cache_dtype, 8 if tail else 0, 4 if tail else 0, rotate)
-    cache = allocate_kv_cache(spec, 16, dev, num_tail_rows=4 if tail else 0)[0]
-    if scales == "static":
-        cache.k_static_scale = torch.ones(kvh, d)
-        cache.v_static_scale = torch.ones(kvh, d)
+    from infer8.attention.triton.backend import TritonAttention
+
+    spec = KVCacheSpec(1, kvh, d, bs, cache_dtype, 8 if tail else 0, 4 if tail else 0, rotate,
+                       kv_scale=scales)  # fmt: skip
+    ones = [torch.ones(kvh, d)]
+    static = (ones, ones) if scales == "static" else None
+    cache = allocate_kv_cache(spec, 16, dev, 4 if tail else 0, static)[0]
     # two decodes and a chunk after a cached prefix
     q_lens, computed = [1, 1, 20], [30, 5, 16]
     meta = build_attention_metadata(q_lens, computed, [[1, 2], [3], [4, 5, 6]], bs, dev)
@@ -111,10 +112,9 @@ def _launch_all(model_dtype, cache_dtype, scales: str, tail: bool, rotate: bool)
     n = meta.num_real_tokens
     k = torch.zeros(n, kvh, d, dtype=model_dtype)
     q = torch.zeros(n, kvh * group, d, dtype=model_dtype)
-    triton_paged.write_kv(cache, k, k, meta.slot_mapping)
     for splits in (1, 4):
-        backend = triton_paged.TritonAttention(dev, num_splits=splits)
-        backend.forward(q, cache, meta, d**-0.5, k_new=k, v_new=k)
+        backend = TritonAttention(dev, num_splits=splits)
+        backend.write_and_attend(q, k, k, cache, backend.build_metadata(meta), d**-0.5)
 
 
 def main() -> int:

@@ -12,7 +12,7 @@ pytest.importorskip("triton", reason="triton is not installed (Linux x86_64 test
 from tests.gpu import triton_modules  # noqa: E402
 
 _MODULES = triton_modules.load()
-triton_paged = _MODULES["triton_paged"]
+triton_backend = _MODULES["backend"]
 cuda_graphs = _MODULES["cuda_graphs"]
 HAS_CUDA, DEVICE = triton_modules.HAS_CUDA, triton_modules.DEVICE
 
@@ -40,7 +40,7 @@ def _setup(
     llama_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype, tail_window: int = 0
 ) -> tuple:
     model, _, _ = load_model(str(llama_dir), dtype, DEVICE)
-    backend = triton_paged.TritonAttention(DEVICE)
+    backend = triton_backend.TritonAttention(DEVICE)
     model.set_attention_backend(backend)
     cfg = model.config
     spec = KVCacheSpec(
@@ -95,7 +95,7 @@ def _prefill(
 def _cache_tensors(caches: list) -> list[torch.Tensor]:
     out = []
     for c in caches:
-        out += [c.k, c.v, c.k_scale, c.v_scale, *(c.kv_tail or ())]
+        out += [c.k, c.v, c.k_scale, c.v_scale, *(c.tail_store or ())]
     return out
 
 

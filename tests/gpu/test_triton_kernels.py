@@ -1,7 +1,7 @@
-"""Triton attention kernels against TorchRefAttention: on CUDA natively, on CPU interpreted.
+"""Triton attention kernels against the reference: on CUDA natively, on CPU interpreted.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 (numpy, tiny shapes); triton reads that
-variable when a kernel is defined, so it is set before infer8.attention.triton_paged is
+variable when a kernel is defined, so it is set before infer8.attention.triton is
 imported, and the module is reloaded if something imported it earlier without it.
 
 Both sides read the same cache, so the kernels are held to the compute dtype's rounding, not
@@ -13,6 +13,7 @@ sequence's end fails.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -24,12 +25,13 @@ pytest.importorskip("triton", reason="triton is not installed (Linux x86_64 test
 from tests.gpu import triton_modules  # noqa: E402
 
 _MODULES = triton_modules.load()
-triton_paged = _MODULES["triton_paged"]
+triton_launch = _MODULES["launch"]
+triton_backend = _MODULES["backend"]
 HAS_CUDA, DEVICE = triton_modules.HAS_CUDA, triton_modules.DEVICE
 
 from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache  # noqa: E402
 from infer8.attention.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
-from infer8.attention.torch_ref import TorchRefAttention  # noqa: E402
+from infer8.attention.reference import attend_cache, write_kv  # noqa: E402
 
 BLOCK_SIZE = 16
 CACHE_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -63,22 +65,22 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _cache(
     cache_dtype: torch.dtype, num_kv_heads: int, head_dim: int, num_blocks: int, static: str
 ) -> LayerKVCache:
-    spec = KVCacheSpec(1, num_kv_heads, head_dim, BLOCK_SIZE, cache_dtype)
-    cache = allocate_kv_cache(spec, num_blocks, DEVICE)[0]
-    if static != "dynamic":
-        shape = (num_kv_heads, 1) if static == "head" else (num_kv_heads, head_dim)
-        cache.k_static_scale = torch.rand(shape, device=DEVICE) * 0.02 + 0.005
-        cache.v_static_scale = torch.rand(shape, device=DEVICE) * 0.02 + 0.005
-    return cache
+    if static == "dynamic":
+        spec = KVCacheSpec(1, num_kv_heads, head_dim, BLOCK_SIZE, cache_dtype)
+        return allocate_kv_cache(spec, num_blocks, DEVICE)[0]
+    spec = KVCacheSpec(1, num_kv_heads, head_dim, BLOCK_SIZE, cache_dtype, kv_scale="static")
+    shape = (num_kv_heads, 1) if static == "head" else (num_kv_heads, head_dim)
+    k, v = (torch.rand(shape, device=DEVICE) * 0.02 + 0.005 for _ in range(2))
+    return allocate_kv_cache(spec, num_blocks, DEVICE, static_scales=([k], [v]))[0]
 
 
 def _clone(cache: LayerKVCache) -> LayerKVCache:
     def c(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.clone()
 
-    return LayerKVCache(
-        c(cache.k), c(cache.v), c(cache.k_scale), c(cache.v_scale),  # type: ignore[arg-type]
-        cache.k_static_scale, cache.v_static_scale, c(cache.num_saturated),
+    return dataclasses.replace(
+        cache, k=cache.k.clone(), v=cache.v.clone(), k_scale=c(cache.k_scale),
+        v_scale=c(cache.v_scale), num_saturated=c(cache.num_saturated),
     )  # fmt: skip
 
 
@@ -115,8 +117,8 @@ def test_write_kv_stores_what_the_reference_stores_bit_for_bit(
     v = v.view(num_tokens, num_kv_heads, head_dim)
     slots = torch.randperm(8 * BLOCK_SIZE, device=DEVICE)[:num_tokens]
     slots[-1] = -1  # a padding token: stored nowhere
-    TorchRefAttention().write_kv(ref_cache, k[:-1], v[:-1], slots[:-1])
-    triton_paged.write_kv(cache, k, v, slots)
+    write_kv(ref_cache, k[:-1], v[:-1], slots[:-1])
+    triton_launch.write_kv(cache, k, v, slots)
     for name in ("k", "v", "k_scale", "v_scale"):
         got, want = getattr(cache, name), getattr(ref_cache, name)
         if want is not None:
@@ -156,7 +158,7 @@ def _mixed_batch(
     dtype = _model_dtype(cache.k.dtype)
     k = torch.randn(n, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
     v = torch.randn(n, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    TorchRefAttention().write_kv(cache, k, v, full.slot_mapping)
+    write_kv(cache, k, v, full.slot_mapping)
     used = torch.zeros(num_blocks * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
     used[full.slot_mapping] = True
     meta = build_attention_metadata(query_lens, computed, block_ids, BLOCK_SIZE, DEVICE)
@@ -185,14 +187,14 @@ def test_forward_matches_reference_on_a_ragged_mixed_batch(
     dtype = _model_dtype(cache_dtype)
     num_tokens = meta.num_real_tokens + 3  # three padding tokens at the end
     q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=DEVICE)
-    want = TorchRefAttention().forward(q, cache, meta, head_dim**-0.5)
+    want = attend_cache(q, cache, meta, head_dim**-0.5)
 
     for t in (cache.k, cache.v, cache.k_scale, cache.v_scale):
         if t is not None:
             _poison(t, ~used)
-    backend = triton_paged.TritonAttention(DEVICE)
+    backend = triton_backend.TritonAttention(DEVICE)
     out = torch.full_like(q, float("nan"))
-    got = backend.forward(q, cache, meta, head_dim**-0.5, out=out)
+    got = backend.attend(q, cache, backend.build_metadata(meta), head_dim**-0.5, out=out)
     assert got is out
     assert torch.equal(got[meta.num_real_tokens :], torch.zeros_like(got[meta.num_real_tokens :]))
     _check_close(got, want, dtype)
@@ -207,26 +209,28 @@ def test_split_decode_and_static_scales_match_reference(static: str) -> None:
     meta, used = _mixed_batch(num_kv_heads, head_dim, cache, seed=7)
     q = torch.randn(meta.num_real_tokens, num_kv_heads * group, head_dim, device=DEVICE)
     q = q.to(torch.bfloat16)
-    want = TorchRefAttention().forward(q, cache, meta, head_dim**-0.5)
+    want = attend_cache(q, cache, meta, head_dim**-0.5)
     for t in (cache.k, cache.v, cache.k_scale, cache.v_scale):
-        _poison(t, ~used)
+        if t is not None:
+            _poison(t, ~used)
 
     # 16-token splits: the 71-token context gets up to 5, the others 1 or 2
-    config = triton_paged.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
-    backend = triton_paged.TritonAttention(DEVICE, config, num_splits=3)
-    step = backend.prepare(meta)
+    config = triton_launch.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
+    backend = triton_backend.TritonAttention(DEVICE, config, num_splits=3)
+    step = backend.build_metadata(meta)
     dec = meta.decode_token_ids
     outs = []
     for num_splits in (1, 3, 8):
         out = torch.full_like(q, float("nan"))
-        triton_paged.paged_decode_attention(
+        triton_launch.paged_decode_attention(
             q, cache, out, step.decode_token_ids, step.decode_seq_lens,
             step.decode_block_tables, head_dim**-0.5, num_splits, config,
         )  # fmt: skip
         _check_close(out[dec], want[dec], torch.bfloat16)
         outs.append(out[dec])
     assert not torch.equal(outs[0], outs[2])  # the splits really differ
-    out = backend.forward(q, cache, meta, head_dim**-0.5, out=torch.full_like(q, float("nan")))
+    nan = torch.full_like(q, float("nan"))
+    out = backend.attend(q, cache, step, head_dim**-0.5, out=nan)
     _check_close(out, want, torch.bfloat16)
 
 
@@ -242,8 +246,8 @@ def test_split_decode_rotates_once_per_token_not_in_every_split_program(
     meta, _ = _mixed_batch(num_kv_heads, head_dim, cache, seed=7)
     q = torch.randn(meta.num_real_tokens, num_kv_heads * group, head_dim, device=DEVICE)
     q = q.to(torch.bfloat16)
-    want = TorchRefAttention().forward(q, cache, meta, head_dim**-0.5)
-    kernel, launches = triton_paged.decode_kernel, []
+    want = attend_cache(q, cache, meta, head_dim**-0.5)
+    kernel, launches = triton_launch.decode_kernel, []
 
     class Recorder:
         def __getitem__(self, grid):  # type: ignore[no-untyped-def]
@@ -253,13 +257,13 @@ def test_split_decode_rotates_once_per_token_not_in_every_split_program(
 
             return launch
 
-    monkeypatch.setattr(triton_paged, "decode_kernel", Recorder())
-    config = triton_paged.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
-    step = triton_paged.TritonAttention(DEVICE, config).prepare(meta)
+    monkeypatch.setattr(triton_launch, "decode_kernel", Recorder())
+    config = triton_launch.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
+    step = triton_backend.TritonAttention(DEVICE, config).build_metadata(meta)
     dec = meta.decode_token_ids
     for num_splits in (1, 4):
         out = torch.full_like(q, float("nan"))
-        triton_paged.paged_decode_attention(
+        triton_launch.paged_decode_attention(
             q, cache, out, step.decode_token_ids, step.decode_seq_lens,
             step.decode_block_tables, head_dim**-0.5, num_splits, config,
         )  # fmt: skip
@@ -279,9 +283,9 @@ def test_split_rotated_decode_writes_only_the_decode_rows_with_kernels_alone() -
     meta, _ = _mixed_batch(num_kv_heads, head_dim, cache, seed=11)
     q = torch.randn(meta.num_real_tokens, num_kv_heads * group, head_dim, device=DEVICE)
     q = q.to(torch.bfloat16)
-    want = TorchRefAttention().forward(q, cache, meta, head_dim**-0.5)
-    config = triton_paged.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
-    step = triton_paged.TritonAttention(DEVICE, config).prepare(meta)
+    want = attend_cache(q, cache, meta, head_dim**-0.5)
+    config = triton_launch.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
+    step = triton_backend.TritonAttention(DEVICE, config).build_metadata(meta)
     dec = step.decode_token_ids
     assert dec.shape[0] == 5
     # the same decode queries at scattered rows of a bigger batch; the other rows hold NaN
@@ -297,7 +301,7 @@ def test_split_rotated_decode_writes_only_the_decode_rows_with_kernels_alone() -
             return func(*args, **(kwargs or {}))
 
     with Recorder():
-        triton_paged.paged_decode_attention(
+        triton_launch.paged_decode_attention(
             scattered, cache, out, token_idx, step.decode_seq_lens, step.decode_block_tables,
             head_dim**-0.5, 4, config,
         )  # fmt: skip
@@ -315,14 +319,14 @@ def test_decode_output_of_a_sequence_does_not_depend_on_the_batch() -> None:
     cache = _cache(torch.float8_e4m3fn, 2, 64, 24, "dynamic")
     meta, _ = _mixed_batch(2, 64, cache, seed=3)
     q = torch.randn(meta.num_real_tokens, 6, 64, dtype=torch.bfloat16, device=DEVICE)
-    config = triton_paged.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
-    step = triton_paged.TritonAttention(DEVICE, config).prepare(meta)
+    config = triton_launch.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
+    step = triton_backend.TritonAttention(DEVICE, config).build_metadata(meta)
     full = torch.zeros_like(q)
     args = (step.decode_token_ids, step.decode_seq_lens, step.decode_block_tables)
-    triton_paged.paged_decode_attention(q, cache, full, *args, 0.125, 4, config)
+    triton_launch.paged_decode_attention(q, cache, full, *args, 0.125, 4, config)
     for b in range(len(meta.decode_seq_ids)):  # each sequence alone
         alone = torch.zeros_like(q)
-        triton_paged.paged_decode_attention(
+        triton_launch.paged_decode_attention(
             q, cache, alone, *(a[b : b + 1] for a in args), 0.125, 4, config
         )
         row = step.decode_token_ids[b]
@@ -338,18 +342,18 @@ def test_decode_padding_sequences_get_zeros() -> None:
     token_idx = torch.arange(4, device=DEVICE)
     for num_splits in (1, 2):
         out = torch.full_like(q, float("nan"))
-        triton_paged.paged_decode_attention(
+        triton_launch.paged_decode_attention(
             q, cache, out, token_idx, seq_lens, table, 0.125, num_splits,
-            triton_paged.KernelConfig(decode_block_n=16, decode_min_split_tokens=16),
+            triton_launch.KernelConfig(decode_block_n=16, decode_min_split_tokens=16),
         )  # fmt: skip
         assert torch.isfinite(out).all()
         assert not out[1].any() and not out[3].any()
 
 
 def test_choose_num_splits_lets_one_sequence_reach_every_sm() -> None:
-    assert triton_paged.choose_num_splits(8, 132) == 32  # H100 SXM, Llama-3-8B
-    assert triton_paged.choose_num_splits(4, 132) == 64  # Qwen2-7B: capped
-    assert triton_paged.choose_num_splits(8, 4) == 1
+    assert triton_launch.choose_num_splits(8, 132) == 32  # H100 SXM, Llama-3-8B
+    assert triton_launch.choose_num_splits(4, 132) == 64  # Qwen2-7B: capped
+    assert triton_launch.choose_num_splits(8, 4) == 1
 
 
 @pytest.mark.gpu
@@ -370,11 +374,12 @@ def test_long_context_decode_on_gpu(cache_dtype: torch.dtype) -> None:
     full = build_attention_metadata(seq_lens, [0] * batch, block_ids, BLOCK_SIZE, DEVICE)
     dtype = _model_dtype(cache_dtype)
     kv = torch.randn(2, full.num_real_tokens, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    TorchRefAttention().write_kv(cache, kv[0], kv[1], full.slot_mapping)
+    write_kv(cache, kv[0], kv[1], full.slot_mapping)
     meta = build_attention_metadata(
         [1] * batch, [n - 1 for n in seq_lens], block_ids, BLOCK_SIZE, DEVICE
     )
     q = torch.randn(batch, num_kv_heads * group, head_dim, dtype=dtype, device=DEVICE)
-    want = TorchRefAttention().forward(q, cache, meta, head_dim**-0.5)
-    got = triton_paged.TritonAttention(DEVICE).forward(q, cache, meta, head_dim**-0.5)
+    want = attend_cache(q, cache, meta, head_dim**-0.5)
+    backend = triton_backend.TritonAttention(DEVICE)
+    got = backend.attend(q, cache, backend.build_metadata(meta), head_dim**-0.5)
     _check_close(got, want, dtype)

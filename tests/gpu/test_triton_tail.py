@@ -1,6 +1,6 @@
-"""The FP8 cache's exact tail (and rotated keys) in the Triton kernels, against TorchRefAttention.
+"""The FP8 cache's exact tail (and rotated keys) in the Triton kernels, against the reference.
 
-tests/tail_schedule.py runs a few steps through both backends, each on its own copy of the
+tests/attention_schedule.py runs a few steps through both backends, each on its own copy of the
 cache. Outputs must agree to the compute dtype's rounding after every step, the stores the
 kernels write must hold what the reference writes, and the tail must matter: the same kernels
 without it are far off.
@@ -16,16 +16,17 @@ pytest.importorskip("triton", reason="triton is not installed (Linux x86_64 test
 from tests.gpu import triton_modules  # noqa: E402
 
 _MODULES = triton_modules.load()
-triton_paged = _MODULES["triton_paged"]
+triton_backend = _MODULES["backend"]
 HAS_CUDA, DEVICE = triton_modules.HAS_CUDA, triton_modules.DEVICE
 
-from infer8.attention.torch_ref import TorchRefAttention  # noqa: E402
-from tests.tail_schedule import run_schedule  # noqa: E402
+from infer8.attention.reference import ReferenceAttention  # noqa: E402
+from tests.attention_schedule import run_schedule, tail_spec  # noqa: E402
 
 
 def _run_schedule(dtype: torch.dtype, hadamard: bool, tail_on_triton: bool = True):  # type: ignore[no-untyped-def]  # noqa: E501
-    ref, tri = TorchRefAttention(), triton_paged.TritonAttention(DEVICE)
-    return run_schedule(ref, tri, dtype, hadamard, DEVICE, other_tail=tail_on_triton)
+    ref, tri = ReferenceAttention(), triton_backend.TritonAttention(DEVICE)
+    spec = tail_spec(hadamard=hadamard)
+    return run_schedule(ref, tri, dtype, DEVICE, spec, other_tail=tail_on_triton)
 
 
 @pytest.mark.parametrize(
@@ -46,10 +47,10 @@ def test_tail_kernels_match_the_reference_step_after_step(
         assert rel < tol, f"step {step}: relative error {rel}"
         if not hadamard:  # the same residual bytes in the store (sinks and rings)
             assert torch.equal(
-                tri_cache.kv_tail[0].view(torch.uint8),  # type: ignore[index]
-                ref_cache.kv_tail[0].view(torch.uint8),
+                tri_cache.tail_store[0].view(torch.uint8),  # type: ignore[index]
+                ref_cache.tail_store[0].view(torch.uint8),
             ), f"step {step}"  # type: ignore[index]  # noqa: E501
-            assert torch.equal(tri_cache.kv_tail[1], ref_cache.kv_tail[1])  # type: ignore[index]
+            assert torch.equal(tri_cache.tail_store[1], ref_cache.tail_store[1])  # type: ignore[index]
 
 
 def test_leaving_the_tail_out_of_the_kernels_is_far_off() -> None:

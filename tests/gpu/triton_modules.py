@@ -16,10 +16,11 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 _ORDER = (
-    "infer8.attention.triton_fp8",
-    "infer8.attention.triton_tail",
-    "infer8.attention.triton_kernels",
-    "infer8.attention.triton_paged",
+    "infer8.attention.triton.write",
+    "infer8.attention.triton.tail",
+    "infer8.attention.triton.kernels",
+    "infer8.attention.triton.launch",
+    "infer8.attention.triton.backend",
     "infer8.worker.cuda_graphs",
 )
 
@@ -29,6 +30,6 @@ def load() -> dict[str, ModuleType]:
     if not HAS_CUDA:
         os.environ["TRITON_INTERPRET"] = "1"
     modules = {name.rsplit(".", 1)[1]: importlib.import_module(name) for name in _ORDER}
-    if not HAS_CUDA and not modules["triton_paged"].is_interpreted():
+    if not HAS_CUDA and not modules["launch"].is_interpreted():
         modules = {short: importlib.reload(m) for short, m in modules.items()}
     return modules

@@ -24,7 +24,7 @@ from tests.vllm_kv_events import DECODER, apply, low64
 
 BLOCK_SIZE = 16
 NUM_SESSIONS, NUM_TURNS = 7, 4  # odd: round-robin sends a session's turns to both replicas
-PREFIX_TOKENS, TURN_TOKENS = 320, 48
+PREFIX_TOKENS, TURN_TOKENS = 800, 48
 
 
 class PrefixPicker:

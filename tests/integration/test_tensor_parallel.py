@@ -433,7 +433,7 @@ def test_the_worker_runs_a_hand_built_scheduler_output_alone(model_dirs: dict[st
 
     model_dir = str(model_dirs["llama-4kv"])
     args = EngineArgs(model=model_dir, **{**_engine_kwargs(4, tp=1), "device": "cpu"})
-    worker = Worker(args, model_dir)
+    worker = Worker.from_args(args, model_dir)
     assert worker.num_blocks == NUM_BLOCKS and worker.is_driver
     prompt = [5, 6, 7, 8, 9, 10]
     first = SchedulerOutput(

@@ -154,10 +154,10 @@ def test_backend_selection_refuses_what_no_backend_runs_at_start_up() -> None:
     with pytest.raises(ValueError, match="older than Ampere"):
         select_backend(cuda, _spec(torch.bfloat16), capability=(7, 5))
     cpu_backend = select_backend(torch.device("cpu"), _spec(torch.float8_e4m3fn))
-    assert type(cpu_backend).__name__ == "TorchRefAttention"
+    assert type(cpu_backend).__name__ == "ReferenceAttention"  # no native kernels given
     # Ampere has no E4M3 for the tail's residuals: a tail there falls back to the reference
     ampere_tail = select_backend(cuda, _spec(torch.float8_e5m2, tail=8), capability=(8, 0))
-    assert type(ampere_tail).__name__ == "TorchRefAttention"
+    assert type(ampere_tail).__name__ == "ReferenceAttention"
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -165,13 +165,13 @@ def test_backend_selection_refuses_fp8_on_a_gpu_with_only_fnuz_fp8(
     kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # MI300X reports capability (9, 4): only its gfx name tells that its FP8 is fnuz
-    from infer8.attention import triton_paged
+    from infer8.attention.triton import backend as triton_backend
 
     cuda = torch.device("cuda")
     with pytest.raises(ValueError, match=r"this GPU \(gfx942, MI300.*use --kv-cache-dtype auto"):
         select_backend(cuda, _spec(kv_dtype), capability=(9, 4), arch="gfx942:sramecc+:xnack-")
     # a 16-bit cache there, and FP8 on MI350 (gfx950: OCP FP8), reach the kernels
-    monkeypatch.setattr(triton_paged, "TritonAttention", lambda device: "kernels")
+    monkeypatch.setattr(triton_backend, "TritonAttention", lambda device: "kernels")
     assert (
         select_backend(cuda, _spec(torch.bfloat16), capability=(9, 4), arch="gfx942") == "kernels"
     )
@@ -187,7 +187,7 @@ def test_the_profiled_step_runs_the_largest_batch_the_scheduler_can_hand_out(
 
     model_dir = str(build_tiny_model(tmp_path, "llama"))
     args = EngineArgs(model=model_dir, dtype="float32", device="cpu", max_model_len=128)
-    worker = Worker(args, model_dir)
+    worker = Worker.from_args(args, model_dir)
     probs = profile_step(worker.model, worker.kv_spec, 300, 7, 128, torch.device("cpu"))
     assert probs.shape == (7, 512) and torch.allclose(probs.sum(-1), torch.ones(7))
 
@@ -198,7 +198,10 @@ def test_the_memory_profile_runs_on_a_freshly_loaded_model(tmp_path: Path) -> No
     from infer8.worker.memory_profile import profile_step
 
     model_dir = str(build_tiny_model(tmp_path, "llama"))
+    from infer8.attention.reference import ReferenceAttention
+
     model, _, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
+    model.set_attention_backend(ReferenceAttention())  # as the worker does before profiling
     spec = KVCacheSpec(2, 2, 16, 16, torch.float32)
     probs = profile_step(model, spec, 600, 5, model.config.max_position_embeddings,
                          torch.device("cpu"))  # fmt: skip
@@ -311,7 +314,7 @@ def test_start_up_profiles_then_allocates_the_cache_then_captures_graphs(
         model=model_dir, dtype="float32", device="cpu", gpu_memory_utilization=0.25,
         max_num_seqs=4096, max_num_batched_tokens=1024, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
-    w = worker.Worker(args, model_dir, memory_counters=counters)
+    w = worker.Worker.from_args(args, model_dir, memory_counters=counters)
     assert w.uses_exact_tail == (kv_cache_dtype == "fp8_e4m3")
     # the serving kernels (a prefill, a decode over every sampler path) and the graphs run
     # once on a throwaway cache before the budget is read

@@ -12,6 +12,7 @@ from torch import nn
 
 from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
 from infer8.attention.metadata import build_attention_metadata
+from infer8.attention.reference import ReferenceAttention
 from infer8.layers import fp8_linear
 from infer8.layers.fp8_linear import Fp8Linear
 from infer8.models import fp8_weights
@@ -116,6 +117,7 @@ def _prefill_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tenso
     caches = allocate_kv_cache(spec, 4, torch.device("cpu"))
     n = len(token_ids)
     meta = build_attention_metadata([n], [0], [[0, 1, 2, 3]], 16, torch.device("cpu"))
+    model.set_attention_backend(ReferenceAttention())
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), torch.arange(n), meta, caches)
         return model.compute_logits(hidden)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from infer8.attention.cpu_native import NativeFP8Gather, build_library
+from infer8.attention.cpu import NativeKernels
 from infer8.sampling_params import SamplingParams
 from infer8.worker.sampler import Sampler, SamplingState, apply_penalties
 
@@ -268,7 +268,9 @@ def test_native_candidates_keep_the_sorted_vocabularys_support_and_distribution(
     # support and probabilities.
     import infer8.worker.sampler as sampler_mod
 
-    native = NativeFP8Gather(build_library())  # the shared build (compiled once per version)
+    kernels = NativeKernels.load()  # the shared build (compiled once per version)
+    assert kernels is not None
+    native = kernels.sampling
     gen = torch.Generator().manual_seed(0)
     vocab = 5000
     logits = torch.randn(4, vocab, generator=gen)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer8.attention.split_prefill import KeyRange, split_prefill_attention, two_value_attention
-from infer8.attention.tail_prefill import SequenceTail, dense_parts, prefill_parts
+from infer8.attention.cpu.split_prefill import (
+    KeyRange,
+    split_prefill_attention,
+    two_value_attention,
+)
+from infer8.attention.cpu.tail_prefill import SequenceTail, dense_parts, prefill_parts
 
 
 def _masked_reference(
@@ -82,9 +86,11 @@ def test_tail_parts_match_the_masked_rule(
 
 
 def _native():  # noqa: ANN202
-    from infer8.attention.cpu_native import NativeFP8Gather, build_library
+    from infer8.attention.cpu import NativeKernels
 
-    return NativeFP8Gather(build_library())
+    kernels = NativeKernels.load()
+    assert kernels is not None
+    return kernels.prefill
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -121,7 +127,11 @@ def test_native_two_value_attention_matches_torch(
 def test_native_two_value_rotations_are_the_separate_rotations(dtype: torch.dtype, d: int) -> None:
     """rotate_q / rotate_out inside the pass: bit for bit the native rotation of q before the
     call and of its output after it (an FP8 prefill with Hadamard-rotated keys)."""
-    native = _native()
+    from infer8.attention.cpu import NativeKernels
+
+    kernels = NativeKernels.load()
+    assert kernels is not None
+    native, rotate = kernels.prefill, kernels.elementwise.rotate
     torch.manual_seed(3)
     kvh, group, s0, q_len, window = 3, 3, 6, 40, 24
     n = s0 + q_len
@@ -132,8 +142,8 @@ def test_native_two_value_rotations_are_the_separate_rotations(dtype: torch.dtyp
     reads = (j > a - window) | (j < 4)
     args = ((kb, ke), (vb, ve), reads, s0, 0.125)
     got = native.two_value_attention(q.transpose(0, 1), *args, True, True)
-    inner = native.two_value_attention(native.rotate(q).transpose(0, 1), *args)
-    want = native.rotate(inner.transpose(0, 1))
+    inner = native.two_value_attention(rotate(q).transpose(0, 1), *args)
+    want = rotate(inner.transpose(0, 1))
     assert torch.equal(got.transpose(0, 1), want)
     assert not torch.equal(inner, got)  # the rotations change the output
 
@@ -146,10 +156,9 @@ def test_native_band_matches_the_torch_band(
     """The C band (float32 or bf16 CPU) against _band_part in float32 on the same inputs:
     outputs and log-sum-exps, GQA 3; rows that see no key (valid_from past their window) get
     -inf and zeros in both."""
-    from infer8.attention.cpu_native import NativeFP8Gather, build_library
-    from infer8.attention.split_prefill import Band, _band_part
+    from infer8.attention.cpu.split_prefill import Band, _band_part
 
-    native = NativeFP8Gather(build_library())
+    native = _native()
     torch.manual_seed(0)
     kvh, group, d = 3, 3, 64
     q = torch.randn(kvh * group, q_len, d)

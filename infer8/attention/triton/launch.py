@@ -1,6 +1,6 @@
-"""Triton attention over the paged cache (the CUDA backend): the launchers and the backend of
-the fused quantize-on-write (triton_fp8.py), split-K decode and varlen prefill kernels
-(triton_kernels.py) that read 1-byte FP8 blocks and dequantize them in registers.
+"""The launchers of the Triton attention kernels: the fused quantize-on-write (write.py), split-K
+decode and varlen prefill (kernels.py) that read 1-byte FP8 blocks and dequantize them in
+registers; the backend over them is backend.py.
 
 The cache layout is the reference's: K/V [num_kv_heads, num_blocks, block_size, head_dim],
 dynamic FP8 scales [num_kv_heads, num_blocks, block_size] in bf16, or static scales
@@ -10,7 +10,7 @@ are folded into the math instead of the tiles (a per-token K scale multiplies th
 score column, a per-token V scale its softmax weight, a static per-channel K scale the query).
 
 The kernels also run on CPU tensors under TRITON_INTERPRET=1 (how CI checks them against
-TorchRefAttention); the engine itself uses this backend only on CUDA.
+attention/reference.py); the engine itself uses this backend only on CUDA.
 """
 
 from __future__ import annotations
@@ -21,18 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from infer8.attention.backend import write_then_attend
 from infer8.attention.exact_tail import rotate
 from infer8.attention.kv_cache import LayerKVCache
-from infer8.attention.metadata import AttentionMetadata
-from infer8.attention.triton_fp8 import X_MODES, grid_constants, rotate_q_kernel, write_kv_kernel
-from infer8.attention.triton_kernels import decode_kernel, prefill_kernel, reduce_kernel
-from infer8.attention.triton_tail import (
+from infer8.attention.triton.kernels import decode_kernel, prefill_kernel, reduce_kernel
+from infer8.attention.triton.tail import (
     TritonTailStep,
-    build_tail_step,
-    tail_residuals,
-    write_ring,
 )
+from infer8.attention.triton.write import X_MODES, grid_constants, rotate_q_kernel, write_kv_kernel
 from infer8.quant import fp8
 
 _LOG2E = 1.4426950408889634
@@ -85,17 +80,18 @@ def _cache_args(cache: LayerKVCache) -> _CacheArgs:
     k_scale = v_scale = k_static = v_static = k
     scale_strides = (0, 0)
     static_strides = (0, 0)
-    if cache.k_scale is None:
+    if cache.format.scale == "none":
         mode = _NO_SCALE
-    elif cache.k_static_scale is None:
+    elif cache.format.scale == "dynamic":
         mode = _DYNAMIC
-        assert cache.v_scale is not None and cache.k_scale.stride(-1) == 1
+        assert cache.k_scale is not None and cache.v_scale is not None
+        assert cache.k_scale.stride(-1) == 1
         assert cache.k_scale.stride() == cache.v_scale.stride()
         k_scale, v_scale = cache.k_scale, cache.v_scale
         scale_strides = (cache.k_scale.stride(0), cache.k_scale.stride(1))
     else:
         mode = _STATIC
-        assert cache.v_static_scale is not None
+        assert cache.k_static_scale is not None and cache.v_static_scale is not None
         k_static = cache.k_static_scale.float().contiguous()
         v_static = cache.v_static_scale.float().contiguous()
         assert k_static.dim() == 2 and k_static.shape == v_static.shape
@@ -116,14 +112,13 @@ def write_kv(
     """Store each token's K/V in its slot (slot < 0: skip), quantizing when the cache is FP8.
 
     k, v: [num_tokens, num_kv_heads, head_dim] (rows may be strided views of a fused QKV).
-    A cache with rotated keys (cache.k_rotation) gets K and V rotated in the same pass.
+    A Hadamard cache (cache.rotation) gets K and V rotated in the same pass.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1
-    rotation = cache.k_rotation
-    assert rotation is None or cache.rotate_values, "the kernels rotate K and V together"
+    rotation = cache.rotation
     if cache.k_amax is not None:  # calibration observers, as in the reference
         assert cache.v_amax is not None
         obs_k, obs_v = (k, v) if rotation is None else (rotate(k, rotation), rotate(v, rotation))
@@ -167,11 +162,11 @@ def _tail_args(
     cache: LayerKVCache, tail: TailArgs | None, kind: str, q: torch.Tensor
 ) -> tuple[object, ...]:
     """Return the kernels' rotation and tail arguments (unused pointers get q)."""
-    rot = cache.k_rotation if cache.k_rotation is not None else q
+    rot = cache.rotation if cache.rotation is not None else q
     if tail is None:
         return (rot, q, q, q, q, q, 0, 0, 1, 0, 0, 0, 0)
-    assert cache.kv_tail is not None
-    store, store_scale = cache.kv_tail
+    assert cache.tail_store is not None
+    store, store_scale = cache.tail_store
     step = tail.step
     table = step.decode if kind == "decode" else step.prefill
     return (
@@ -209,7 +204,7 @@ def paged_decode_attention(
     out[token_idx[b]] (distinct rows). seq_lens: [B] int32 (0: padding, gets zeros);
     block_tables: [B, max_blocks]. Each context is cut into at most num_splits splits
     (flash-decoding). tail: the exact tail's step tables and this step's residuals
-    (triton_tail.py). Rotated keys: with one split the program rotates q and its output; with
+    (tail.py). Rotated keys: with one split the program rotates q and its output; with
     several, rotate_q_kernel rotates each sequence's q once into a compact buffer before the
     split kernel, and reduce_kernel rotates the combined output before its one store
     (rotating in every split program would cost num_splits times the work).
@@ -226,7 +221,7 @@ def paged_decode_attention(
     block_n = config.decode_block_n
     min_split = config.decode_min_split_tokens
     direct = num_splits == 1
-    rotation = cache.k_rotation
+    rotation = cache.rotation
     rotate_outside = rotation is not None and not direct
     block_d = max(16, triton.next_power_of_2(head_dim))
     # tl.dot multiplies at least 16 rows: the rotations take query heads 16 at a time
@@ -335,7 +330,7 @@ def paged_prefill_attention(
         SCALE_MODE=args.scale_mode,
         PRECISION=_precision(q.dtype),
         HAS_TAIL=tail is not None,
-        ROTATE=cache.k_rotation is not None,
+        ROTATE=cache.rotation is not None,
         DOT_DTYPE=_dot_dtype(q.dtype),
         num_warps=config.prefill_num_warps,
         num_stages=config.prefill_num_stages,
@@ -356,159 +351,3 @@ def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
 def _precision(dtype: torch.dtype) -> str:
     """Return tl.dot's input precision: full fp32 for fp32 models (no TF32 surprise)."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-# -- the backend ----------------------------------------------------------------------------
-
-
-@dataclass
-class TritonStepMetadata:
-    """The device tensors the kernels read, derived once per step from AttentionMetadata."""
-
-    decode_token_ids: torch.Tensor  # [num_decode] int64
-    decode_seq_lens: torch.Tensor  # [num_decode] int32
-    decode_block_tables: torch.Tensor  # [num_decode, max_blocks]
-    prefill_q_start: torch.Tensor  # [num_prefill] int32
-    prefill_q_lens: torch.Tensor  # [num_prefill] int32
-    prefill_seq_lens: torch.Tensor  # [num_prefill] int32
-    prefill_block_tables: torch.Tensor  # [num_prefill, max_blocks]
-    prefill_max_q_len: int
-    tail: TritonTailStep | None = None  # an FP8 cache's exact tail (meta.tail)
-
-
-class TritonAttention:
-    """The CUDA attention backend: TorchRefAttention's interface over the Triton kernels.
-
-    Owns the per-step derived metadata (built on the first layer's call, reused by the others)
-    and the kernel configuration.
-    """
-
-    def __init__(
-        self,
-        device: torch.device,
-        config: KernelConfig | None = None,
-        num_splits: int | None = None,
-    ) -> None:
-        self.device = device
-        self.config = config or KernelConfig()
-        self.num_sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda"
-            else 4
-        )
-        self._num_splits = num_splits
-        # Holding the metadata object itself (not its id) makes the identity check safe.
-        self._step: tuple[AttentionMetadata, TritonStepMetadata] | None = None
-
-    def num_splits(self, num_kv_heads: int) -> int:
-        """Return the decode split count (fixed per backend, so graphs and eager agree)."""
-        if self._num_splits is None:
-            self._num_splits = choose_num_splits(num_kv_heads, self.num_sms)
-        return self._num_splits
-
-    def prepare(self, meta: AttentionMetadata) -> TritonStepMetadata:
-        """Return the kernels' view of this step's metadata (built once per step)."""
-        if self._step is not None and self._step[0] is meta:
-            return self._step[1]
-        dev = self.device
-        decode_lens = [meta.seq_lens[i] for i in meta.decode_seq_ids]
-        pre = meta.prefill_seq_ids
-        starts = [meta.query_start_loc[i] for i in pre]
-        q_lens = [meta.query_start_loc[i + 1] - meta.query_start_loc[i] for i in pre]
-        step = TritonStepMetadata(
-            decode_token_ids=meta.decode_token_ids,
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
-            decode_block_tables=meta.decode_block_tables,
-            prefill_q_start=torch.tensor(starts, dtype=torch.int32, device=dev),
-            prefill_q_lens=torch.tensor(q_lens, dtype=torch.int32, device=dev),
-            prefill_seq_lens=torch.tensor(
-                [meta.seq_lens[i] for i in pre], dtype=torch.int32, device=dev
-            ),
-            prefill_block_tables=meta.block_tables[pre] if pre else meta.block_tables[:0],
-            prefill_max_q_len=max(q_lens, default=0),
-        )
-        if meta.tail is not None:
-            step.tail = build_tail_step(
-                meta.tail, meta.num_real_tokens, meta.decode_seq_ids, pre,
-                meta.query_start_loc, meta.seq_lens, dev,
-            )  # fmt: skip
-        self._step = (meta, step)
-        return step
-
-    def bind(self, meta: AttentionMetadata, step: TritonStepMetadata) -> None:
-        """Use `step` (e.g. static CUDA-graph buffers) whenever `meta` is passed in."""
-        self._step = (meta, step)
-
-    def write_kv(
-        self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        """Store each new token's K/V in its slot, quantizing when the cache is FP8."""
-        write_kv(cache, k, v, slot_mapping)
-
-    def write_and_attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: LayerKVCache,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """write_kv of the real tokens, then forward (this step's K/V where there is a tail)."""
-        return write_then_attend(self, q, k, v, cache, meta, scale)
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        cache: LayerKVCache,
-        meta: AttentionMetadata,
-        scale: float,
-        k_new: torch.Tensor | None = None,
-        v_new: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attend each sequence's new tokens over its cached context (causal within the chunk).
-
-        q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]; padding
-        tokens (index >= meta.num_real_tokens) get zeros. With an exact tail (the step's tail
-        tables and cache.kv_tail), k_new / v_new are this step's K/V ([num_real_tokens,
-        num_kv_heads, head_dim]): their residuals are computed and the sinks stored before
-        attention, the rings written after (triton_tail.py). Rotated keys are rotated inside
-        the kernels.
-        """
-        step = self.prepare(meta)
-        if out is None:
-            out = torch.empty_like(q)
-        if q.shape[0] > meta.num_real_tokens:
-            out[meta.num_real_tokens :].zero_()
-        tail = None
-        if step.tail is not None and cache.kv_tail is not None:
-            assert k_new is not None and v_new is not None, "the exact tail reads this step's K/V"
-            tail = TailArgs(step.tail, tail_residuals(cache, k_new, v_new, step.tail))
-        if meta.decode_seq_ids:
-            paged_decode_attention(
-                q, cache, out, step.decode_token_ids, step.decode_seq_lens,
-                step.decode_block_tables, scale, self.num_splits(cache.k.shape[0]), self.config,
-                tail,
-            )  # fmt: skip
-        if meta.prefill_seq_ids:
-            paged_prefill_attention(
-                q, cache, out, step.prefill_q_start, step.prefill_q_lens, step.prefill_seq_lens,
-                step.prefill_block_tables, step.prefill_max_q_len, scale, self.config, tail,
-            )  # fmt: skip
-        if tail is not None:
-            write_ring(cache, tail.new, tail.step)
-        return out
-
-
-__all__ = [
-    "KernelConfig",
-    "TailArgs",
-    "TritonAttention",
-    "TritonStepMetadata",
-    "choose_num_splits",
-    "is_interpreted",
-    "paged_decode_attention",
-    "paged_prefill_attention",
-    "write_kv",
-]

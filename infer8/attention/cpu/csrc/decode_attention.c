@@ -6,7 +6,7 @@
 // no batched matmul of 3-row matrices, no mask. The FP8 cache's exact tail (attention/
 // exact_tail.py) enters as it does in the torch reference: the new token's tail value replaces
 // its block value, and each valid tail position gets q.r added to its score and p.r to the
-// output. Built with the other native kernels (cpu_native.py); GCC vector extensions, so the
+// output. Built with the other native kernels (build.py); GCC vector extensions, so the
 // same source vectorizes for AVX2, AVX-512 or NEON; with AVX512-BF16, a bf16 cache read by bf16
 // queries takes the bf16 dot-product instruction for scores and values (exact products, another
 // summation order), and so do an E4M3 cache's scores (its codes turned into bf16 exactly); with
@@ -346,7 +346,7 @@ static void store_residuals(uint8_t* store, uint16_t* store_scale, int64_t store
 }
 
 // A whole decode layer's attention for an all-decode batch (token b is sequence b) in one call
-// instead of a dozen: what TorchRefAttention's write_kv then forward do, in their order and
+// instead of a dozen: what the CPU backend's general path does, in its order and
 // with their roundings, in two passes over (sequence, KV head) tasks: (1) the new K/V rows
 // (x [B, KVH, D] at row stride kv_stride, head stride d) rotated by the Hadamard matrix
 // (rotate_keys; V too with rotate_values), written to the cache at slot_mapping[b] (copied, or
@@ -408,7 +408,7 @@ void infer8_decode_layer(
             load_row(v, b * kv_stride + h * d, d, x_f32, nv);
             if (rotate_keys) infer8_hadamard_row(nk, d, x_f32);
             if (rotate_keys && rotate_values) infer8_hadamard_row(nv, d, x_f32);
-            if (kind >= KV_E4M3) {  // torch_ref.write_kv's dynamic FP8 write
+            if (kind >= KV_E4M3) {  // reference.write_blocks' dynamic FP8 write
                 const int e5m2 = kind == KV_E5M2;
                 infer8_quantize_row(nk, d, e5m2, cache_per_amax, (uint8_t*)k_cache + slot * d,
                                     k_scale + slot);

@@ -1,15 +1,19 @@
-"""The native kernels' prefill attention wrappers (csrc/band_attention.c,
-two_value_attention.c) on float32 or bf16 CPU tensors: a part of cpu_native.NativeFP8Gather,
-which binds the functions they call."""
+"""The native prefill attention (csrc/band_attention.c, two_value_attention.c) on float32 or
+bf16 CPU tensors: split_prefill's band, two-value attention of a chunk or of whole prompts, and
+the causal pass over a step's own K / V."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from infer8.attention.native_elementwise import NativeElementwise
+from infer8.attention.cpu.library import NativeLibrary
+
+
+def _supported(x: torch.Tensor) -> bool:
+    """Return whether x is float32 or bf16 on the CPU (what these kernels read)."""
+    return x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
 
 
 def _one_row_stride(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,14 +25,13 @@ def _one_row_stride(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tens
     return a, b
 
 
-class NativePrefillAttention:
+class PrefillKernels:
     """split_prefill's band, the two-value attention of a chunk or of whole prompts, and the
     causal pass over a step's own K / V."""
 
-    _band: Any
-    _two_value: Any
-    _two_value_prompts: Any
-    _no_second: torch.Tensor
+    def __init__(self, lib: NativeLibrary) -> None:
+        self.lib = lib
+        self._no_second = torch.zeros(0, dtype=torch.uint8)  # causal_attention: no second value
 
     def band_attention(
         self,
@@ -44,10 +47,10 @@ class NativePrefillAttention:
         excepted (a query that sees none: lse -inf, zeros)."""
         num_heads, q_len, d = q.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        assert NativeElementwise.elementwise_supported(q) and q.dtype == k.dtype == v.dtype
+        assert _supported(q) and q.dtype == k.dtype == v.dtype
         out = torch.empty_like(q)
         lse = torch.empty((num_heads, q_len), dtype=torch.float32)
-        self._band(
+        self.lib.band_attention(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), num_heads, num_heads // k.shape[0],
             q_len, k.shape[1], d, window, valid_from, scale, int(q.dtype == torch.bfloat16),
             out.data_ptr(), lse.data_ptr(),
@@ -58,7 +61,7 @@ class NativePrefillAttention:
     def two_value_supported(q: torch.Tensor) -> bool:
         """Return whether two_value_attention runs on q [H, q_len, d] (float32 or bf16 on the
         CPU, d a multiple of 8)."""
-        return NativeElementwise.elementwise_supported(q) and q.shape[-1] % 8 == 0
+        return _supported(q) and q.shape[-1] % 8 == 0
 
     def causal_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -103,7 +106,7 @@ class NativePrefillAttention:
             assert all(m.dtype == torch.uint8 and m.is_contiguous() for m in seconds)
         k1, k2 = keys
         v1, v2 = values
-        self._two_value_prompts(
+        self.lib.two_value_prompts(
             q.data_ptr(), q.stride(0), q.stride(1), k1.data_ptr(), k1.stride(0), k2.data_ptr(),
             k2.stride(0), v1.data_ptr(), v1.stride(0), v2.data_ptr(), v2.stride(0), k1.stride(1),
             v1.stride(1), None if masks is None else masks.data_ptr(), len(spans),
@@ -139,7 +142,7 @@ class NativePrefillAttention:
         second = second.to(torch.uint8).contiguous()
         out = torch.empty((q_len, num_heads, d), dtype=q.dtype)
         k1, k2, v1, v2 = parts
-        self._two_value(
+        self.lib.two_value_attention(
             q.data_ptr(), q.stride(1), q.stride(0), k1.data_ptr(), k1.stride(0), k2.data_ptr(),
             k2.stride(0), v1.data_ptr(), v1.stride(0), v2.data_ptr(), v2.stride(0), k1.stride(1),
             v1.stride(1), second.data_ptr(), num_heads, kvh, q_len, n, d, q_start, scale,

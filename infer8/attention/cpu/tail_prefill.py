@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer8.attention.split_prefill import (
+from infer8.attention.cpu.split_prefill import (
     Band,
     KeyRange,
     split_prefill_attention,
@@ -28,7 +28,7 @@ from infer8.attention.split_prefill import (
 )
 
 if TYPE_CHECKING:
-    from infer8.attention.cpu_native import NativeFP8Gather
+    from infer8.attention.cpu.prefill import PrefillKernels
     from infer8.attention.exact_tail import TailMetadata
 
 # A prefill chunk with an exact tail attends densely (two_value_attention) up to this many
@@ -66,7 +66,7 @@ def sequence_attention(
     seq_id: int,
     scale: float,
     dense_max_len: int = DENSE_TAIL_MAX_LEN,
-    native: NativeFP8Gather | None = None,
+    native: PrefillKernels | None = None,
 ) -> torch.Tensor:
     """Attend one sequence's chunk q [H, q_len, d] over its context with its tail.
 

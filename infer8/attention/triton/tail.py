@@ -27,7 +27,7 @@ import triton.language as tl
 
 from infer8.attention.exact_tail import RESIDUAL_DTYPE, TailMetadata
 from infer8.attention.kv_cache import LayerKVCache
-from infer8.attention.triton_fp8 import (
+from infer8.attention.triton.write import (
     X_MODES,
     grid_constants,
     quantize_rows,
@@ -367,8 +367,8 @@ def tail_residuals(
     """Return this step's residuals ([tokens, 2 * kvh, d] E4M3, [tokens, 2 * kvh] scales) and
     store the sinks' in their slots. k, v: [tokens, kvh, d], unrotated (rotated here if the
     cache rotates keys)."""
-    assert cache.kv_tail is not None and cache.k_scale is not None
-    store, store_scale = cache.kv_tail
+    assert cache.tail_store is not None and cache.format.is_fp8
+    store, store_scale = cache.tail_store
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and store.is_contiguous()
     new = torch.empty((num_tokens, 2 * num_kv_heads, head_dim), dtype=RESIDUAL_DTYPE,
@@ -377,7 +377,7 @@ def tail_residuals(
                             device=k.device)  # fmt: skip
     if num_tokens == 0:
         return new, new_scale
-    static = cache.k_static_scale is not None
+    static = cache.format.scale == "static"
     k_static = cache.k_static_scale.float().contiguous() if static else k  # type: ignore[union-attr]
     v_static = cache.v_static_scale.float().contiguous() if static else v  # type: ignore[union-attr]
     static_strides = (0, 0)
@@ -387,7 +387,7 @@ def tail_residuals(
         )  # type: ignore[assignment]  # noqa: E501
     fmax = fp8.fp8_max(cache.k.dtype)
     mant_bits, min_normal, magic = grid_constants(cache.k.dtype)
-    rotation = cache.k_rotation
+    rotation = cache.rotation
     _tail_residual_kernel[(num_tokens,)](
         k, v, k_static, v_static, rotation if rotation is not None else k, step.sink_slots,
         new, new_scale, store, store_scale,
@@ -411,8 +411,8 @@ def write_ring(
     cache: LayerKVCache, new: tuple[torch.Tensor, torch.Tensor], step: TritonTailStep
 ) -> None:
     """Copy the residuals of the tokens that enter a ring into their slots (after attention)."""
-    assert cache.kv_tail is not None
-    store, store_scale = cache.kv_tail
+    assert cache.tail_store is not None
+    store, store_scale = cache.tail_store
     num_tokens, num_res_heads, head_dim = new[0].shape
     if num_tokens == 0:
         return

@@ -1,5 +1,5 @@
 """Building the native CPU kernels (csrc/*.c): once per source version, compiler, flags and CPU
-feature set, with the system C compiler (gcc/cc, OpenMP), into the infer8 cache; cpu_native loads
+feature set, with the system C compiler (gcc/cc, OpenMP), into the infer8 cache; library.py loads
 the result. `-march=native` code for one CPU can be an illegal instruction on another, so a
 cache directory shared between hosts keeps one build per feature set."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from infer8.utils import cache_dir
 
-_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (
     _CSRC / "fp8_gather.c",
     _CSRC / "decode_attention.c",

@@ -1,6 +1,6 @@
 """The Triton attention kernels over the paged cache: split-K decode, its reduction, and varlen
-prefill. They read 1-byte FP8 blocks and dequantize them in registers (see triton_paged.py for
-the layout and the launchers), and the FP8 exact tail's residuals (triton_tail.py).
+prefill. They read 1-byte FP8 blocks and dequantize them in registers (see launch.py for
+the layout and the launchers), and the FP8 exact tail's residuals (tail.py).
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from infer8.attention.triton_fp8 import rotate_rows, round_to_model
-from infer8.attention.triton_tail import load_residual, seq_tail, tail_exact, tile_has_tail
+from infer8.attention.triton.tail import load_residual, seq_tail, tail_exact, tile_has_tail
+from infer8.attention.triton.write import rotate_rows, round_to_model
 
 
 @triton.jit
@@ -140,7 +140,7 @@ def decode_kernel(
     DIRECT (one split) it writes the normalized output, else a partial output and its
     log-sum-exp (base 2) for reduce_kernel. How a context is split depends only on its own
     length and the grid's split count, never on the batch: eager steps and CUDA-graph replays
-    of any bucket compute the same numbers. HAS_TAIL: an FP8 cache's exact tail (triton_tail.py)
+    of any bucket compute the same numbers. HAS_TAIL: an FP8 cache's exact tail (tail.py)
     corrects the scores and output at its positions; ROTATE (DIRECT only: a split grid reads q
     rotated once per sequence by rotate_q_kernel and reduce_kernel rotates the output): q is
     rotated in and the output rotated back (Hadamard-rotated keys and values). COMPACT_Q:

@@ -268,7 +268,7 @@ void infer8_tail_residual(const void* x, int64_t rows, int64_t d, int x_f32, int
     }
 }
 
-// Quantize new K or V on write, as the FP8 cache stores it (torch_ref.write_kv's dynamic path):
+// Quantize new K or V on write, as the FP8 cache stores it (reference.write_blocks' dynamic path):
 // x [num_tokens, num_kv_heads, d] (bf16 bits or float32), one scale per token and head
 // (fp8.dynamic_scale), values to cache[h, slot_mapping[t], :] and scales[h, slot_mapping[t]]
 // (cache viewed as [num_kv_heads, num_slots, d]). Bit for bit the torch path.
@@ -309,7 +309,7 @@ void infer8_write_fp8(const void* x, int64_t num_tokens, int64_t num_kv_heads, i
     }
 }
 
-// New K or V rows into a 16/32-bit cache (torch_ref.write_kv's index_copy_): x [num_tokens,
+// New K or V rows into a 16/32-bit cache (reference.write_blocks' 16/32-bit store): x [num_tokens,
 // num_kv_heads, d] at token stride x_stride (elements; heads d apart), float32 or bf16 bits
 // (x_f32), to cache[h, slot_mapping[t], :] (cache viewed as [num_kv_heads, num_slots, d]),
 // float32 or bf16 (cache_f32; float32 -> bf16 rounds to nearest even, as .to() does).
@@ -351,7 +351,7 @@ void infer8_write_store(const uint8_t* res_q, const uint16_t* res_scale, const i
     }
 }
 
-// A prefill step's new K and V with an exact tail, in one pass (torch_ref's write_kv then
+// A prefill step's new K and V with an exact tail, in one pass (the general path's write then
 // _tail_values, bit for bit): each row of k, v ([n, kvh, d] at token strides k_stride /
 // v_stride, heads d apart; bf16 bits or float32) rotated (rotate_keys; V too with
 // rotate_values), quantized into the FP8 cache at slot_mapping[t] (dynamic scales), its E4M3

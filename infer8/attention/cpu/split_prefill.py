@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from infer8.attention.cpu_native import NativeFP8Gather
+    from infer8.attention.cpu.prefill import PrefillKernels
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -123,7 +123,7 @@ def split_prefill_attention(
     ranges: list[KeyRange],
     band: Band | None,
     scale: float,
-    native: NativeFP8Gather | None = None,
+    native: PrefillKernels | None = None,
 ) -> torch.Tensor:
     """Attend q [H, q_len, d] over key ranges and an optional band; [H, q_len, d].
 
@@ -131,7 +131,7 @@ def split_prefill_attention(
     band in one C pass for float32 or bf16 CPU tensors (csrc/band_attention.c).
     """
     parts = [_range_part(q, r, scale) for r in ranges]
-    if band is not None and native is not None and native.elementwise_supported(q):
+    if band is not None and native is not None and q.dtype in (torch.float32, torch.bfloat16):
         parts.append(native.band_attention(q, band.k, band.v, band.window, band.valid_from, scale))
     elif band is not None:
         parts.append(_band_part(q, band, scale))

@@ -7,25 +7,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer8.attention.cpu_native import NativeFP8Gather, build_library
+from infer8.attention.cpu import NativeKernels
+from infer8.attention.cpu.build import build_library
+from infer8.attention.cpu.library import NativeLibrary
 from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
 from infer8.attention.metadata import build_attention_metadata
-from infer8.attention.torch_ref import TorchRefAttention
+from infer8.attention.reference import attend_cache, read_blocks, write_blocks
 from infer8.quant import fp8
-from tests.tail_schedule import run_schedule
 from tests.utils import float_ordinals
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory: pytest.TempPathFactory) -> NativeFP8Gather:
-    return NativeFP8Gather(build_library(tmp_path_factory.mktemp("native")))
+def native(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
+    lib = NativeLibrary(build_library(tmp_path_factory.mktemp("native")))
+    return NativeKernels.from_library(lib)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("mode", ["dynamic", "static_head", "static_channel"])
 def test_gather_dequant_matches_reference(
-    native: NativeFP8Gather, dtype: torch.dtype, mode: str, out_dtype: torch.dtype
+    native: NativeKernels, dtype: torch.dtype, mode: str, out_dtype: torch.dtype
 ) -> None:
     torch.manual_seed(0)
     kvh, nblk, bs, d = 3, 11, 4, 64
@@ -39,7 +41,7 @@ def test_gather_dequant_matches_reference(
     q = fp8.quantize(x, scale[..., None] if static is None else static[:, None, None, :], dtype)
     ids = torch.tensor([3, 0, 10, 3, 7], dtype=torch.int64)
     out = torch.full((kvh, len(ids), bs, d), float("nan"), dtype=out_dtype)  # poisoned
-    native(q, scale if static is None else None, static, ids, out)
+    native.kv.dequantize_blocks(q, scale if static is None else None, static, ids, out)
     if static is None:
         ref = fp8.dequantize(q[:, ids], scale[:, ids][..., None], out_dtype)
     else:
@@ -47,7 +49,7 @@ def test_gather_dequant_matches_reference(
     assert torch.equal(out, ref)
 
 
-def test_all_fp8_codes_round_trip_exactly(native: NativeFP8Gather) -> None:
+def test_all_fp8_codes_round_trip_exactly(native: NativeKernels) -> None:
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         codes = torch.arange(256, dtype=torch.uint8).view(dtype)
         finite = codes[torch.isfinite(codes.float())]
@@ -56,16 +58,16 @@ def test_all_fp8_codes_round_trip_exactly(native: NativeFP8Gather) -> None:
         cache.view(-1)[:] = finite
         ones = torch.ones(1, 1, n, dtype=torch.bfloat16)
         out = torch.empty(1, 1, n, 1, dtype=torch.bfloat16)
-        native(cache, ones, None, torch.tensor([0]), out)
+        native.kv.dequantize_blocks(cache, ones, None, torch.tensor([0]), out)
         assert torch.equal(out.view(-1).float(), finite.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
-def test_block_gather_matches_index_select(native: NativeFP8Gather, dtype: torch.dtype) -> None:
+def test_block_gather_matches_index_select(native: NativeKernels, dtype: torch.dtype) -> None:
     cache = torch.randn(3, 9, 4, 16).to(dtype)
     ids = torch.tensor([8, 0, 3, 3, 5], dtype=torch.int64)
     out = torch.empty(3, 5, 4, 16, dtype=dtype)
-    native.gather(cache, ids, out)
+    native.kv.gather(cache, ids, out)
     assert torch.equal(out.view(torch.uint8), cache.index_select(1, ids).view(torch.uint8))
 
 
@@ -82,12 +84,12 @@ def _spread_rows(num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_tail_residual_matches_the_torch_functions_bit_for_bit(
-    native: NativeFP8Gather, block_dtype: torch.dtype, x_dtype: torch.dtype
+    native: NativeKernels, block_dtype: torch.dtype, x_dtype: torch.dtype
 ) -> None:
     from infer8.attention import exact_tail
 
     x = _spread_rows(4000, x_dtype)
-    got = native.tail_residual(x, block_dtype)
+    got = native.kv.tail_residual(x, block_dtype)
     ref = exact_tail.tail_values(x[:, None], block_dtype, [None])
     assert torch.equal(got[0].view(torch.uint8), ref[0][:, 0].view(torch.uint8))
     assert torch.equal(got[1], ref[1][:, 0])
@@ -97,13 +99,13 @@ def test_tail_residual_matches_the_torch_functions_bit_for_bit(
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_write_fp8_stores_what_the_torch_write_stores(
-    native: NativeFP8Gather, cache_dtype: torch.dtype, x_dtype: torch.dtype
+    native: NativeKernels, cache_dtype: torch.dtype, x_dtype: torch.dtype
 ) -> None:
     x = _spread_rows(500, x_dtype)
     slots = torch.randperm(64 * 16)[:500]  # scattered over 64 blocks of 16
     cache = torch.zeros(3, 64, 16, 64, dtype=cache_dtype)
     scales = torch.zeros(3, 64, 16, dtype=fp8.SCALE_DTYPE)
-    native.write_fp8(x, slots, cache, scales)
+    native.kv.write_fp8(x, slots, cache, scales)
     scale = fp8.dynamic_scale(x, cache_dtype)
     ref, ref_scales = torch.zeros_like(cache), torch.zeros_like(scales)
     ref.view(3, -1, 64)[:, slots] = fp8.quantize(x, scale[..., None], cache_dtype).transpose(0, 1)
@@ -117,15 +119,14 @@ def test_write_fp8_stores_what_the_torch_write_stores(
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("d", [128, 64, 32])  # in registers (AVX-512: 128, 64), and the loop
 def test_prefill_tail_is_the_write_and_the_tail_values_bit_for_bit(
-    cache_dtype: torch.dtype, x_dtype: torch.dtype, hadamard: bool, d: int
+    native: NativeKernels, cache_dtype: torch.dtype, x_dtype: torch.dtype, hadamard: bool, d: int
 ) -> None:
     """One native pass over a prefill step's K and V (strided views of a fused projection):
-    the rotated rows quantized into the blocks, their residuals and tail values as
-    _tail_values returns them, and their block values as a gather of the blocks reads them."""
+    the rotated rows quantized into the blocks, their residuals and tail values as the torch
+    functions return them, and their block values as a read of the blocks returns them."""
+    from infer8.attention import exact_tail
+
     torch.manual_seed(0)
-    backend = TorchRefAttention(use_native=True)
-    native = backend._native
-    assert native is not None
     kvh, tokens = 3, 300
     spec = KVCacheSpec(1, kvh, d, 16, cache_dtype, 6, 2, hadamard)
     cache = allocate_kv_cache(spec, 40, torch.device("cpu"), num_tail_rows=2)[0]
@@ -136,23 +137,25 @@ def test_prefill_tail_is_the_write_and_the_tail_values_bit_for_bit(
     k = qkv[:, 9 * d : 12 * d].view(tokens, kvh, d)
     v = qkv[:, 12 * d :].view(tokens, kvh, d)
     slots = torch.randperm(40 * 16)[:tokens]
-    residual, tail, block = native.prefill_tail(k, v, slots, cache)
-    backend.write_kv(want, k, v, slots)  # rotates (when the cache does) and quantizes
-    k_rot, v_rot = (k, v) if backend._rotated is None else backend._rotated[2:]
-    ref_residual, ref_tail = backend._tail_values(want, k_rot, v_rot)
+    residual, tail, block = native.kv.prefill_tail(k, v, slots, cache)
+    if hadamard:  # the rows rotated as the kernel rotates them (a fast Walsh-Hadamard pass)
+        k, v = native.elementwise.rotate(k), native.elementwise.rotate(v)
+    write_blocks(want, k, v, slots)
+    ref_q, ref_scale, ref_tail = exact_tail.tail_values(
+        torch.stack([k, v], dim=1), cache_dtype, (None, None)
+    )
     for got_t, want_t in ((cache.k, want.k), (cache.v, want.v)):
         assert torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))
     assert torch.equal(cache.k_scale, want.k_scale) and torch.equal(cache.v_scale, want.v_scale)
-    assert torch.equal(residual[0].view(torch.uint8), ref_residual[0].view(torch.uint8))
-    assert torch.equal(residual[1], ref_residual[1])
-    assert torch.equal(tail[0].transpose(0, 1), ref_tail[0])
-    assert torch.equal(tail[1].transpose(0, 1), ref_tail[1])
-    torch_read = TorchRefAttention()._read  # the torch gather + dequantize
-    for side, (c, scale) in enumerate(((want.k, want.k_scale), (want.v, want.v_scale))):
-        blocks = (slots // 16).unique()
-        gathered = torch_read(c, scale, None, blocks, x_dtype)  # [kvh, n * 16, d]
-        at = (blocks[:, None] == (slots // 16)[None]).int().argmax(0) * 16 + slots % 16
-        assert torch.equal(block[side], gathered[:, at])
+    assert torch.equal(
+        residual[0].view(torch.uint8), ref_q.view(tokens, 2 * kvh, d).view(torch.uint8)
+    )
+    assert torch.equal(residual[1], ref_scale.view(tokens, 2 * kvh))
+    assert torch.equal(tail[0].transpose(0, 1), ref_tail[:, 0])
+    assert torch.equal(tail[1].transpose(0, 1), ref_tail[:, 1])
+    table = torch.arange(40)
+    for side, values in enumerate(read_blocks(want, table, 40 * 16, x_dtype)):
+        assert torch.equal(block[side], values[:, slots])
 
 
 @pytest.mark.parametrize(
@@ -167,7 +170,7 @@ def test_prefill_tail_is_the_write_and_the_tail_values_bit_for_bit(
 )
 @pytest.mark.parametrize("kvh, group, d", [(3, 3, 64), (2, 4, 128), (1, 8, 72), (4, 1, 64)])
 def test_decode_attention_matches_the_torch_decode(
-    native: NativeFP8Gather,
+    native: NativeKernels,
     cache_dtype: torch.dtype,
     dtype: torch.dtype,
     kvh: int,
@@ -190,14 +193,14 @@ def test_decode_attention_matches_the_torch_decode(
     k = torch.randn(full.num_real_tokens, kvh, d, dtype=dtype) * 3
     k[::7] *= 1e-3  # FP8 subnormals
     v = torch.randn(full.num_real_tokens, kvh, d, dtype=dtype)
-    TorchRefAttention().write_kv(cache, k, v, full.slot_mapping)
+    write_blocks(cache, k, v, full.slot_mapping)
     meta = build_attention_metadata(
         [1] * len(lens), [n - 1 for n in lens], blocks, bs, torch.device("cpu")
     )
     q = torch.randn(len(lens), kvh * group, d, dtype=dtype)
-    want = TorchRefAttention().forward(q, cache, meta, d**-0.5)
+    want = attend_cache(q, cache, meta, d**-0.5)
     table, seq_lens = meta.decode_block_tables, torch.tensor(lens)
-    got = native.decode_attention(q, cache, table, seq_lens, d**-0.5)
+    got = native.decode.decode_attention(q, cache, table, seq_lens, d**-0.5)
     rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
     # float32: summation order only (~2e-7 measured); bf16: the torch path rounds the
     # dequantized blocks to bf16, the kernel folds the scales in float32 (~5e-3)
@@ -206,7 +209,7 @@ def test_decode_attention_matches_the_torch_decode(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_scores_every_e4m3_code_as_the_torch_path_does(
-    native: NativeFP8Gather, dtype: torch.dtype
+    native: NativeKernels, dtype: torch.dtype
 ) -> None:
     """Each finite E4M3 code, subnormals and signs included, as a whole key row (unit scale)
     against a zero key: the second key's probability is sigmoid(its score), its query scaled so
@@ -226,8 +229,8 @@ def test_decode_attention_scores_every_e4m3_code_as_the_torch_path_does(
     table = torch.arange(1, n + 1)[:, None]
     seq_lens = torch.full((n,), 2)
     meta = build_attention_metadata([1] * n, [1] * n, table.tolist(), bs, torch.device("cpu"))
-    want = TorchRefAttention().forward(q, cache, meta, d**-0.5)
-    got = native.decode_attention(q, cache, table, seq_lens, d**-0.5)
+    want = attend_cache(q, cache, meta, d**-0.5)
+    got = native.decode.decode_attention(q, cache, table, seq_lens, d**-0.5)
     p = torch.sigmoid(codes.float().sign() * 2.0 ** (log_score - torch.round(log_score)))
     assert (got.float()[:, 0] - p[:, None]).abs().max() < 0.01
     assert (got.float() - want.float()).abs().max() < 0.01
@@ -237,7 +240,7 @@ def test_decode_attention_scores_every_e4m3_code_as_the_torch_path_does(
 @pytest.mark.parametrize("scale", [2.0, 512.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_sums_every_e4m3_code_as_its_value(
-    native: NativeFP8Gather, dtype: torch.dtype, scale: float, daz: bool
+    native: NativeKernels, dtype: torch.dtype, scale: float, daz: bool
 ) -> None:
     """Each E4M3 code, subnormals, signs and zeros included, as a value: a one-token sequence
     (probability 1) whose value row holds 64 codes returns their values times the row's scale,
@@ -253,7 +256,7 @@ def test_decode_attention_sums_every_e4m3_code_as_its_value(
         torch.set_flush_denormal(False)
 
 
-def _sum_every_e4m3_code(native: NativeFP8Gather, dtype: torch.dtype, scale: float) -> None:
+def _sum_every_e4m3_code(native: NativeKernels, dtype: torch.dtype, scale: float) -> None:
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     codes = codes[torch.isfinite(codes.float())]  # 254: NaNs are never stored
     rows = torch.cat([codes, codes[: -codes.numel() % 64]]).view(-1, 64).repeat(8, 1)  # 32 x 64
@@ -265,35 +268,14 @@ def _sum_every_e4m3_code(native: NativeFP8Gather, dtype: torch.dtype, scale: flo
     cache.k_scale.fill_(1.0)
     q = torch.randn(n, 1, d, dtype=dtype)
     table, seq_lens = torch.arange(n)[:, None], torch.ones(n, dtype=torch.int64)
-    got = native.decode_attention(q, cache, table, seq_lens, d**-0.5)
+    got = native.decode.decode_attention(q, cache, table, seq_lens, d**-0.5)
     assert torch.equal(got.float()[:, 0], rows.float() * scale)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_reads_the_exact_tail_as_the_torch_path_does(dtype: torch.dtype) -> None:
-    """The whole native path (write, tail residuals, fused decode reading the residual store
-    in place) against the torch one."""
-    torch.manual_seed(0)
-    ref, native = TorchRefAttention(), TorchRefAttention(use_native=True)
-    assert native._native is not None
-    cpu = torch.device("cpu")
-    bound = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the other summation order
-    for step, got, want, _, _ in run_schedule(ref, native, dtype, True, cpu):
-        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
-        assert rel < bound, (step, rel)
-    if dtype == torch.bfloat16:
-        return
-    errors = [
-        ((got - want).norm() / want.norm()).item()
-        for _, got, want, _, _ in run_schedule(ref, native, torch.float32, True, cpu, False)
-    ]
-    assert min(errors) > 1e-3, errors  # the tail changes outputs by far more than the bound
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_write_rows_stores_what_index_copy_stores(
-    native: NativeFP8Gather, x_dtype: torch.dtype, cache_dtype: torch.dtype
+    native: NativeKernels, x_dtype: torch.dtype, cache_dtype: torch.dtype
 ) -> None:
     """16/32-bit cache writes from a fused projection's strided rows, bit for bit."""
     torch.manual_seed(0)
@@ -304,141 +286,20 @@ def test_write_rows_stores_what_index_copy_stores(
     k = qkv[:, 9 * d : 12 * d].view(tokens, kvh, d)  # a strided view, as a model layer passes
     slots = torch.randperm(40 * 16)[:tokens]
     want.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1).to(cache_dtype))
-    native.write_rows(k, slots, cache)
+    native.kv.write_rows(k, slots, cache)
     assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
-
-
-def _backends_counting_fused_calls() -> tuple[TorchRefAttention, TorchRefAttention, list[int]]:
-    """Return two native backends and the list the second's decode_layer calls append to."""
-    ref, fused = TorchRefAttention(use_native=True), TorchRefAttention(use_native=True)
-    assert fused._native is not None
-    calls: list[int] = []
-    layer = fused._native.decode_layer
-    fused._native.decode_layer = lambda *a, **k: calls.append(1) or layer(*a, **k)  # type: ignore[method-assign]
-    return ref, fused, calls
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hadamard", [True, False])
-def test_decode_layer_is_the_write_then_the_attention_bit_for_bit(
-    dtype: torch.dtype, hadamard: bool
-) -> None:
-    """One native call per all-decode layer (rotation, FP8 write, tail residuals, sinks, the
-    attention, rings), and one native write pass per layer of a step with prefill chunks
-    (prefill_tail, whose block values fresh prompts attend over without a gather), leave the
-    same cache and store and return the same outputs, bit for bit, as the separate calls."""
-    torch.manual_seed(0)
-    ref, fused, calls = _backends_counting_fused_calls()
-    assert fused._native is not None
-    prefill_calls: list[int] = []
-    fresh: list[tuple[int, int, int]] = []
-    passes, reads = fused._native.prefill_tail, fused._fresh_reads
-    fused._native.prefill_tail = lambda *a: prefill_calls.append(1) or passes(*a)  # type: ignore[method-assign]
-    fused._fresh_reads = lambda *a: fresh.append(a) or reads(*a)  # type: ignore[method-assign]
-    cpu = torch.device("cpu")
-    for step, got, want, got_cache, want_cache in run_schedule(
-        ref, fused, dtype, hadamard, cpu, fused=True
-    ):
-        assert torch.equal(got, want), step
-        for a, b in ((got_cache.k, want_cache.k), (got_cache.v, want_cache.v)):
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), step
-        assert torch.equal(got_cache.k_scale, want_cache.k_scale), step
-        assert torch.equal(got_cache.v_scale, want_cache.v_scale), step
-        assert got_cache.kv_tail is not None and want_cache.kv_tail is not None
-        store, want_store = got_cache.kv_tail, want_cache.kv_tail
-        assert torch.equal(store[0].view(torch.uint8), want_store[0].view(torch.uint8)), step
-        assert torch.equal(store[1], want_store[1]), step
-    assert len(calls) == 1  # the schedule's all-decode step
-    # the four steps with prefill chunks in one pass each; the fresh prompts (A's 20 tokens,
-    # D's 3, E's 10, F's 9 beside four decodes) attend over that pass's values, the later
-    # chunks over their blocks
-    assert len(prefill_calls) == 4
-    assert [n for n, _, _ in fresh] == [20, 3, 10, 9]
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
-@pytest.mark.parametrize("batch", [5, 1])
-def test_decode_layer_without_a_tail_matches_the_separate_calls(
-    cache_dtype: torch.dtype, batch: int
-) -> None:
-    """16/32-bit caches (a copy instead of a quantized write) and an FP8 cache without a tail;
-    q / k / v split from one projection as the model splits them (one row: dim 0's strides
-    differ, and the fused path still runs)."""
-    torch.manual_seed(1)
-    ref, fused, calls = _backends_counting_fused_calls()
-    kvh, group, d, bs = 3, 3, 64, 16
-    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
-    cpu = torch.device("cpu")
-    cache = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, cache_dtype), 40, cpu)[0]
-    other = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, cache_dtype), 40, cpu)[0]
-    lens = [37, 1, 16, 17, 90][:batch]
-    blocks = [[1 + 8 * i + j for j in range(-(-n // bs))] for i, n in enumerate(lens)]
-    prompt = build_attention_metadata([n - 1 for n in lens], [0] * batch, blocks, bs, cpu)
-    k = torch.randn(prompt.num_real_tokens, kvh, d, dtype=dtype)
-    v = torch.randn_like(k)
-    for c in (cache, other):
-        ref.write_kv(c, k, v, prompt.slot_mapping)
-    meta = build_attention_metadata([1] * batch, [n - 1 for n in lens], blocks, bs, cpu)
-    qkv = torch.randn(batch, (kvh * group + 2 * kvh) * d, dtype=dtype)
-    qk, v_new = qkv.split([(kvh * group + kvh) * d, kvh * d], dim=-1)  # as llama.Attention
-    q, k_new = qk.view(batch, -1, d).split([kvh * group, kvh], dim=1)
-    v_new = v_new.view(batch, kvh, d)
-    ref.write_kv(cache, k_new, v_new, meta.slot_mapping)
-    want = ref.forward(q, cache, meta, d**-0.5)
-    got = fused.write_and_attend(q, k_new, v_new, other, meta, d**-0.5)
-    assert calls == [1]
-    assert torch.equal(got, want)
-    assert torch.equal(other.k.view(torch.uint8), cache.k.view(torch.uint8))
-    assert torch.equal(other.v.view(torch.uint8), cache.v.view(torch.uint8))
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_fresh_prompts_attend_over_their_own_kv_not_their_blocks(cache_dtype: torch.dtype) -> None:
-    """A 16/32-bit cache in the compute dtype holds K / V as they are: prompts computed whole
-    in the step (short: the native causal pass; long: SDPA) attend over the step's rows, a
-    chunk after cached positions and the decodes read blocks, all bit for bit write_kv then
-    forward (which reads every prompt's blocks back)."""
-    torch.manual_seed(4)
-    ref, fused = TorchRefAttention(use_native=True), TorchRefAttention(use_native=True)
-    for backend in (ref, fused):  # the 45-token prompt takes the SDPA path
-        backend.native_causal_max_len = 40
-    reads: list[int] = []
-    read = fused._read
-    fused._read = lambda *a, **k: reads.append(1) or read(*a, **k)  # type: ignore[method-assign]
-    kvh, group, d, bs = 3, 3, 64, 16
-    cpu = torch.device("cpu")
-    cache = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, cache_dtype), 40, cpu)[0]
-    other = allocate_kv_cache(KVCacheSpec(1, kvh, d, bs, cache_dtype), 40, cpu)[0]
-    # sequences: a decode (30 cached), a chunk of 10 after 20 cached, fresh prompts of 7 and 45
-    cached = [30, 20, 0, 0]
-    blocks = [[1, 2, 3], [5, 6], [8], [10, 11, 12]]
-    pre = build_attention_metadata(cached[:2], [0, 0], blocks[:2], bs, cpu)
-    k0 = torch.randn(pre.num_real_tokens, kvh, d, dtype=cache_dtype)
-    v0 = torch.randn_like(k0)
-    for c in (cache, other):
-        ref.write_kv(c, k0, v0, pre.slot_mapping)
-    meta = build_attention_metadata([1, 10, 7, 45], cached, blocks, bs, cpu)
-    n = meta.num_real_tokens
-    q = torch.randn(n, kvh * group, d, dtype=cache_dtype)
-    k, v = torch.randn(n, kvh, d, dtype=cache_dtype), torch.randn(n, kvh, d, dtype=cache_dtype)
-    ref.write_kv(cache, k, v, meta.slot_mapping)
-    want = ref.forward(q, cache, meta, d**-0.5)
-    got = fused.write_and_attend(q, k, v, other, meta, d**-0.5)
-    assert torch.equal(got, want)
-    assert torch.equal(other.k, cache.k) and torch.equal(other.v, cache.v)
-    assert len(reads) == 2  # K and V of the chunk after cached positions only
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [128, 64, 4])  # in registers (AVX-512), or the scalar butterflies
-def test_rotate_is_the_hadamard_matmul(native: NativeFP8Gather, dtype: torch.dtype, d: int) -> None:
+def test_rotate_is_the_hadamard_matmul(native: NativeKernels, dtype: torch.dtype, d: int) -> None:
     """The fast Walsh-Hadamard transform of strided rows equals x @ H to float32 rounding."""
     from infer8.attention.exact_tail import hadamard, rotate
 
     torch.manual_seed(0)
     qkv = torch.randn(33, 12, d, dtype=dtype) * 5
     k = qkv[:, 9:]  # a view of a fused projection: strided rows
-    got, want = native.rotate(k), rotate(k, hadamard(d))
+    got, want = native.elementwise.rotate(k), rotate(k, hadamard(d))
     assert got.is_contiguous() and got.dtype == dtype
     if dtype == torch.bfloat16:  # float32 sums in another order, then one rounding to bf16:
         # at most one unit in the last place (2^-7 of the value)
@@ -446,21 +307,8 @@ def test_rotate_is_the_hadamard_matmul(native: NativeFP8Gather, dtype: torch.dty
     else:
         err = (got - want).abs().max().item()
         assert err <= 1e-6 * want.abs().max().item(), err
-    back = native.rotate(native.rotate(k.float()))  # H is its own inverse
+    back = native.elementwise.rotate(native.elementwise.rotate(k.float()))  # H is its own inverse
     torch.testing.assert_close(back, k.float(), atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("use_native", [False, True])
-def test_dense_and_split_tail_prefill_agree_over_the_schedule(use_native: bool) -> None:
-    """Short prompts attend densely, long ones by key ranges: the same numbers either way
-    (native: csrc/two_value_attention.c and csrc/band_attention.c against each other)."""
-    torch.manual_seed(0)
-    split = TorchRefAttention(dense_tail_max_len=0, use_native=use_native)
-    dense = TorchRefAttention(use_native=use_native)
-    cpu = torch.device("cpu")
-    for step, got, want, _, _ in run_schedule(split, dense, torch.float32, False, cpu):
-        rel = ((got - want).norm() / want.norm()).item()
-        assert rel < 1e-6, (step, rel)
 
 
 # float32: to float32 rounding; bf16: the torch ops' own roundings, so at most one bf16 step
@@ -476,38 +324,35 @@ def _bf16_steps_apart(got: torch.Tensor, want: torch.Tensor) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, h", [(1, 576), (37, 576), (300, 77)])
 def test_rms_norm_with_the_residual_add_matches_torch(
-    native: NativeFP8Gather, rows: int, h: int, dtype: torch.dtype
+    native: NativeKernels, rows: int, h: int, dtype: torch.dtype
 ) -> None:
     """One pass: x += add in place, then the norm of the sum; x's rows may be strided."""
-    from infer8.models.llama import RMSNorm
+    from infer8.layers.elementwise import TorchElementwise
 
     torch.manual_seed(0)
-    norm = RMSNorm(h, 1e-5).to(dtype)
-    norm.weight.copy_(torch.randn(h))
+    weight = torch.randn(h).to(dtype)
     base = (torch.randn(rows, h + 5) * 4).to(dtype)
     x, add = base[:, :h], torch.randn(rows, h).to(dtype)
     want_x = x + add
-    want = norm(want_x.clone())
-    got = native.rms_norm(x, norm.weight, 1e-5, add)
+    want = TorchElementwise().rms_norm(want_x.clone(), weight, 1e-5)
+    got = native.elementwise.rms_norm(x, weight, 1e-5, add)
     assert torch.equal(x, want_x)  # the residual stream, updated in place (bf16: rounded)
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, **_TOL[dtype])
-    torch.testing.assert_close(native.rms_norm(x, norm.weight, 1e-5), want, **_TOL[dtype])
+    torch.testing.assert_close(native.elementwise.rms_norm(x, weight, 1e-5), want, **_TOL[dtype])
     if dtype == torch.bfloat16:
         assert _bf16_steps_apart(got, want) <= 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inter", [1536, 77])
-def test_silu_and_mul_matches_torch(
-    native: NativeFP8Gather, inter: int, dtype: torch.dtype
-) -> None:
+def test_silu_and_mul_matches_torch(native: NativeKernels, inter: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     gate_up = torch.randn(33, 2 * inter) * 8
     gate_up[0, :8] = torch.tensor([-200.0, -88.0, -30.0, -1e-30, 0.0, 1e-30, 30.0, 200.0])
     gate_up = gate_up.to(dtype)
     want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    got = native.silu_and_mul(gate_up)
+    got = native.elementwise.silu_and_mul(gate_up)
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, rtol=_TOL[dtype]["rtol"], atol=1e-30)
     if dtype == torch.bfloat16:  # (silu(-200): e^-200 underflows to 0 in torch, ~1e-35 here)
@@ -516,7 +361,7 @@ def test_silu_and_mul_matches_torch(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_in_place_matches_apply_rope(native: NativeFP8Gather, dtype: torch.dtype) -> None:
+def test_rope_in_place_matches_apply_rope(native: NativeKernels, dtype: torch.dtype) -> None:
     """q and k heads of a fused projection's output (a strided view), rotated in place."""
     from infer8.layers.elementwise import apply_rope
 
@@ -526,7 +371,7 @@ def test_rope_in_place_matches_apply_rope(native: NativeFP8Gather, dtype: torch.
     cos, sin = torch.randn(19, 32).to(dtype), torch.randn(19, 32).to(dtype)
     want = apply_rope(qk.clone(), cos[:, None], sin[:, None])
     v_before = qkv[:, 12 * 64 :].clone()
-    got = native.rope_(qk, cos, sin)
+    got = native.elementwise.rope_(qk, cos, sin)
     assert got.data_ptr() == qkv.data_ptr()
     if dtype == torch.bfloat16:  # every product and sum rounded as torch rounds them
         assert torch.equal(qk, want)
@@ -534,7 +379,7 @@ def test_rope_in_place_matches_apply_rope(native: NativeFP8Gather, dtype: torch.
     assert torch.equal(qkv[:, 12 * 64 :], v_before)  # V untouched
 
 
-def test_write_store_matches_the_torch_write(native: NativeFP8Gather) -> None:
+def test_write_store_matches_the_torch_write(native: NativeKernels) -> None:
     """The exact tail's store write: the same bytes in the same slots, nothing else touched."""
     from infer8.attention.exact_tail import write_store
 
@@ -553,16 +398,16 @@ def test_write_store_matches_the_torch_write(native: NativeFP8Gather) -> None:
     token_ids = torch.tensor([8, 0, 3, 5])
     slots = torch.tensor([0, 1 * stride + 7, 4 * stride + 26, 2 * stride])
     write_store(want, res, token_ids, slots)
-    native.write_store(store, res, token_ids, slots)
+    native.kv.write_store(store, res, token_ids, slots)
     assert not torch.equal(want[0].view(torch.uint8), before.view(torch.uint8))
     for got, ref in zip(store, want):
         assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
-    native.write_store(store, res, token_ids[:0], slots[:0])  # nothing to write
+    native.kv.write_store(store, res, token_ids[:0], slots[:0])  # nothing to write
     for got, ref in zip(store, want):
         assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
 
 
-def test_greedy_is_the_argmax_of_the_sanitized_logits(native: NativeFP8Gather) -> None:
+def test_greedy_is_the_argmax_of_the_sanitized_logits(native: NativeKernels) -> None:
     """NaN, infinities, values beyond the clamp limit, ties (the first wins), rows of every
     length modulo the 8 lanes: the sampler's _finite_ then argmax, index for index."""
     from infer8.worker.sampler import _LOGIT_LIMIT, _finite_
@@ -580,13 +425,13 @@ def test_greedy_is_the_argmax_of_the_sanitized_logits(native: NativeFP8Gather) -
         x[6, n - 1] = 1e3  # the maximum last (in the scalar tail when n % 8)
         x[7, :] = 1.0  # all equal
         want = _finite_(x.clone()).argmax(dim=-1).tolist()
-        assert native.greedy(x, _LOGIT_LIMIT) == want, n
+        assert native.sampling.greedy(x, _LOGIT_LIMIT) == want, n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_len, n", [(1, 1), (13, 13), (128, 128), (5, 40), (77, 300)])
 def test_causal_attention_matches_sdpa(
-    native: NativeFP8Gather, dtype: torch.dtype, q_len: int, n: int
+    native: NativeKernels, dtype: torch.dtype, q_len: int, n: int
 ) -> None:
     """A fresh prompt's attention (and a chunk's after n - q_len earlier keys), GQA 9 over 3:
     float64 SDPA's values to float32 rounding; bf16 no further from them than bf16 SDPA."""
@@ -597,7 +442,7 @@ def test_causal_attention_matches_sdpa(
     want = torch.nn.functional.scaled_dot_product_attention(
         q[None].double(), k[None].double(), v[None].double(), mask, scale=0.125, enable_gqa=True
     )[0]
-    got = native.causal_attention(q, k, v, 0.125)
+    got = native.prefill.causal_attention(q, k, v, 0.125)
     assert got.shape == want.shape and got.dtype == dtype
 
     def rel(x: torch.Tensor) -> float:
@@ -612,7 +457,7 @@ def test_causal_attention_matches_sdpa(
     assert rel(got) < max(1.5 * rel(sdpa), 1e-3), (rel(got), rel(sdpa))
 
 
-def test_nucleus_candidates_hold_each_rows_top_p_and_top_k_set(native: NativeFP8Gather) -> None:
+def test_nucleus_candidates_hold_each_rows_top_p_and_top_k_set(native: NativeKernels) -> None:
     """The sampler's native candidates: every token above the row's smallest candidate (a
     threshold set, ties included), the row's top-p set and top-k inside it, the softmax's
     denominator as the torch path computes it; a row with more than `cap` candidates is left
@@ -626,7 +471,7 @@ def test_nucleus_candidates_hold_each_rows_top_p_and_top_k_set(native: NativeFP8
     x[3, -1] = x[3].max() + 40.0  # one token: the rest more than 32 units down
     top_p = torch.tensor([0.9, 0.95, 0.5, 0.9, 1.0, 0.3])
     top_k = torch.tensor([vocab, vocab, vocab, vocab, 50, 7])
-    ids, count, row_max, row_sum = native.nucleus_candidates(x, top_p, top_k, 1024)
+    ids, count, row_max, row_sum = native.sampling.nucleus_candidates(x, top_p, top_k, 1024)
     assert count[1] == -1  # too many for the cap
     assert torch.equal(row_max, x.amax(1))
     want_sum = (x - x.amax(1, keepdim=True)).clamp(min=-87.0).exp().sum(1)
