@@ -490,3 +490,25 @@ def test_nucleus_candidates_hold_each_rows_top_p_and_top_k_set(native: NativeKer
         assert n >= (int(top_k[r]) if top_k[r] < vocab else 0)
     assert count[3] == 1 and ids[3, 0] == vocab - 1
     assert count[2] >= 10 and set(range(100, 110)) <= set(ids[2, : int(count[2])].tolist())
+
+
+def test_struct_arguments_match_the_c_layout(native: NativeKernels) -> None:
+    """Every struct-argument function's ctypes Structure has the C struct's field offsets and
+    size (csrc/args.h), so each value lands in the parameter its name says."""
+    import ctypes
+
+    for name, struct in native.lib.structs.items():
+        offsets, size = native.lib.layout(name)
+        assert [getattr(struct, field).offset for field, _ in struct._fields_] == offsets, name
+        assert ctypes.sizeof(struct) == size, name
+    assert len(native.lib.structs) == 5
+
+
+def test_a_wrong_field_is_refused_before_the_call(native: NativeKernels) -> None:
+    with pytest.raises(TypeError, match=r"missing fields \[.*'out'.*\], unknown fields \[\]"):
+        native.lib.call("decode_layer", q=0)
+    fields = {name: 0 for name, _ in native.lib.structs["prefill_tail"]._fields_}
+    with pytest.raises(TypeError, match=r"unknown fields \['typo'\]"):
+        native.lib.call("prefill_tail", **fields, typo=1)
+    with pytest.raises(AttributeError, match="no function 'decode_layer_v2'"):
+        native.lib.decode_layer_v2  # noqa: B018

@@ -23,12 +23,13 @@ _SOURCES = (
     _CSRC / "band_attention.c",
     _CSRC / "two_value_attention.c",
     _CSRC / "sampling.c",
+    _CSRC / "args.c",
 )
 # -fno-trapping-math: no FP exception is ever observed, so branch-free selects vectorize (the
 # values are IEEE's either way; no -ffast-math, which would change them)
 # included by the sources: in the hash
 _HEADERS = tuple(_CSRC / h for h in ("simd.h", "hadamard.h", "tail_row.h", "decode_tiles.h",
-                                      "decode_passes.h"))  # fmt: skip
+                                      "decode_passes.h", "args.h"))  # fmt: skip
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
 
 

@@ -145,16 +145,32 @@ class KVKernels:
         assert tail.shape == block.shape == (2, kvh, n, d) and tail.dtype == block.dtype == k.dtype
         assert all(x.is_contiguous() for x in out)
         rotate = cache.rotation is not None
-        self.lib.prefill_tail(
-            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), n, kvh, d,
-            int(k.dtype == torch.float32), int(rotate), int(rotate and cache.format.hadamard),
-            int(cache.k.dtype == torch.float8_e5m2),
-            fp8.SCALE_ROUND_UP / fp8.fp8_max(cache.k.dtype),
-            fp8.SCALE_ROUND_UP / fp8.fp8_max(torch.float8_e4m3fn), slots.data_ptr(),
-            cache.k[0].numel() // d, cache.k.data_ptr(), cache.k_scale.data_ptr(),
-            cache.v.data_ptr(), cache.v_scale.data_ptr(), res_q.data_ptr(),
-            res_scale.data_ptr(), tail.data_ptr(), block.data_ptr(),
-        )  # fmt: skip
+        self.lib.call(
+            "prefill_tail",
+            k=k.data_ptr(),
+            k_stride=k.stride(0),
+            v=v.data_ptr(),
+            v_stride=v.stride(0),
+            n=n,
+            kvh=kvh,
+            d=d,
+            x_f32=int(k.dtype == torch.float32),
+            rotate_keys=int(rotate),
+            rotate_values=int(rotate and cache.format.hadamard),
+            block_is_e5m2=int(cache.k.dtype == torch.float8_e5m2),
+            block_per_amax=fp8.SCALE_ROUND_UP / fp8.fp8_max(cache.k.dtype),
+            e4m3_per_amax=fp8.SCALE_ROUND_UP / fp8.fp8_max(torch.float8_e4m3fn),
+            slot_mapping=slots.data_ptr(),
+            num_slots=cache.k[0].numel() // d,
+            k_cache=cache.k.data_ptr(),
+            k_scale=cache.k_scale.data_ptr(),
+            v_cache=cache.v.data_ptr(),
+            v_scale=cache.v_scale.data_ptr(),
+            res_q=res_q.data_ptr(),
+            res_scale=res_scale.data_ptr(),
+            tail=tail.data_ptr(),
+            block=block.data_ptr(),
+        )
         return (res_q, res_scale), tail, block
 
     def write_store(

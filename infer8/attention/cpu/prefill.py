@@ -106,14 +106,36 @@ class PrefillKernels:
             assert all(m.dtype == torch.uint8 and m.is_contiguous() for m in seconds)
         k1, k2 = keys
         v1, v2 = values
-        self.lib.two_value_prompts(
-            q.data_ptr(), q.stride(0), q.stride(1), k1.data_ptr(), k1.stride(0), k2.data_ptr(),
-            k2.stride(0), v1.data_ptr(), v1.stride(0), v2.data_ptr(), v2.stride(0), k1.stride(1),
-            v1.stride(1), None if masks is None else masks.data_ptr(), len(spans),
-            starts.data_ptr(), lens.data_ptr(), num_heads, kvh, d, scale,
-            int(q.dtype == torch.bfloat16), out.data_ptr(), num_heads * d, d, int(rotate_q),
-            int(rotate_out),
-        )  # fmt: skip
+        self.lib.call(
+            "two_value_prompts",
+            q=q.data_ptr(),
+            q_tok=q.stride(0),
+            q_head=q.stride(1),
+            k1=k1.data_ptr(),
+            k1_head=k1.stride(0),
+            k2=k2.data_ptr(),
+            k2_head=k2.stride(0),
+            v1=v1.data_ptr(),
+            v1_head=v1.stride(0),
+            v2=v2.data_ptr(),
+            v2_head=v2.stride(0),
+            k_row=k1.stride(1),
+            v_row=v1.stride(1),
+            seconds=None if masks is None else masks.data_ptr(),
+            num_seqs=len(spans),
+            starts=starts.data_ptr(),
+            lens=lens.data_ptr(),
+            num_heads=num_heads,
+            num_kv_heads=kvh,
+            d=d,
+            scale=scale,
+            bf16=int(q.dtype == torch.bfloat16),
+            out=out.data_ptr(),
+            o_tok=num_heads * d,
+            o_head=d,
+            rotate_q=int(rotate_q),
+            rotate_out=int(rotate_out),
+        )
 
     def two_value_attention(
         self,
@@ -142,11 +164,34 @@ class PrefillKernels:
         second = second.to(torch.uint8).contiguous()
         out = torch.empty((q_len, num_heads, d), dtype=q.dtype)
         k1, k2, v1, v2 = parts
-        self.lib.two_value_attention(
-            q.data_ptr(), q.stride(1), q.stride(0), k1.data_ptr(), k1.stride(0), k2.data_ptr(),
-            k2.stride(0), v1.data_ptr(), v1.stride(0), v2.data_ptr(), v2.stride(0), k1.stride(1),
-            v1.stride(1), second.data_ptr(), num_heads, kvh, q_len, n, d, q_start, scale,
-            int(q.dtype == torch.bfloat16), out.data_ptr(), num_heads * d, d, int(rotate_q),
-            int(rotate_out),
-        )  # fmt: skip
+        self.lib.call(
+            "two_value_attention",
+            q=q.data_ptr(),
+            q_tok=q.stride(1),
+            q_head=q.stride(0),
+            k1=k1.data_ptr(),
+            k1_head=k1.stride(0),
+            k2=k2.data_ptr(),
+            k2_head=k2.stride(0),
+            v1=v1.data_ptr(),
+            v1_head=v1.stride(0),
+            v2=v2.data_ptr(),
+            v2_head=v2.stride(0),
+            k_row=k1.stride(1),
+            v_row=v1.stride(1),
+            second=second.data_ptr(),
+            num_heads=num_heads,
+            num_kv_heads=kvh,
+            q_len=q_len,
+            n=n,
+            d=d,
+            q_start=q_start,
+            scale=scale,
+            bf16=int(q.dtype == torch.bfloat16),
+            out=out.data_ptr(),
+            o_tok=num_heads * d,
+            o_head=d,
+            rotate_q=int(rotate_q),
+            rotate_out=int(rotate_out),
+        )
         return out.transpose(0, 1)
