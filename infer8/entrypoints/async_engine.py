@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from infer8.cpu_threads import release_openmp_workers
 from infer8.engine import LLMEngine
+from infer8.entrypoints.request_group import (
+    EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
+    RequestGroup,
+    TrackedRequest,
+)
+from infer8.entrypoints.supervision import StepSupervisor, SupervisionConfig
 from infer8.host_memory import HostMemory
 from infer8.metrics import EngineMetrics
-from infer8.outputs import CompletionOutput, RequestOutput
-from infer8.sampling_params import RequestOutputKind, SamplingParams
+from infer8.outputs import RequestOutput
+from infer8.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -25,117 +32,6 @@ logger = logging.getLogger(__name__)
 _SATURATION_REFRESH_S = 1.0
 # How often the engine thread hands freed heap pages back to the OS (see host_memory.py).
 _TRIM_INTERVAL_S = 10.0
-
-
-@dataclass(frozen=True)
-class SupervisionConfig:
-    """How the engine loop is watched: a step time limit and in-process restarts."""
-
-    # A step running longer than this marks the engine wedged (/health 503, requests failed,
-    # the process exits non-zero). None: no watchdog.
-    step_timeout_s: float | None = None
-    # More than this many in-process restarts within restart_window_s: exit non-zero instead.
-    max_restarts: int = 3
-    restart_window_s: float = 300.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shut down or crashed); no request can run."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; the caller should retry later."""
-
-
-class EngineDrainingError(RuntimeError):
-    """The server is shutting down and takes no new requests."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request (alone, or with the step it was in); the server lives on."""
-
-
-class RequestGroup:
-    """Owns the engine requests of one API request (its choices) and the queue of their outputs.
-
-    Outputs arrive as (index, RequestOutput). With DELTA requests (what the server sends) each
-    output holds only this step's text, token ids and logprobs; the reader accumulates.
-    """
-
-    def __init__(
-        self,
-        request_id: str,
-        prompts: Sequence[list[int]],
-        params: Sequence[SamplingParams],
-        loop: asyncio.AbstractEventLoop,
-        engine: AsyncLLMEngine,
-        cache_salt: str | None = None,
-    ) -> None:
-        assert len(prompts) == len(params) > 0
-        self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        self.prompts = list(prompts)
-        self.params = list(params)
-        self.cache_salt = cache_salt
-        self.arrival_time_s = time.monotonic()
-        self._loop = loop
-        self._engine = engine
-        self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
-        self._is_finished = [False] * len(prompts)
-        self._is_closed = False
-
-    def put(self, item: tuple[int, RequestOutput] | BaseException) -> None:
-        """Hand an output or an error to the event loop (called from the engine thread)."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (index, output) until every request of the group has finished.
-
-        Raises RequestFailedError when the engine failed one of them, EngineDeadError when the
-        engine stopped, ValueError when the engine refused them.
-        """
-        try:
-            while not all(self._is_finished):
-                item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    self._is_finished = [True] * len(self._is_finished)
-                    raise item
-                index, output = item
-                if output.finished:
-                    self._is_finished[index] = True
-                if output.error is not None:
-                    raise RequestFailedError(
-                        "the engine failed while generating this request (an internal error; "
-                        "other requests were not affected); retry it"
-                    )
-                yield index, output
-        finally:
-            self._engine.forget(self)
-
-    def abort(self) -> None:
-        """Abort the requests that have not finished (idempotent; safe from any code path)."""
-        if self._is_closed:
-            return
-        self._is_closed = True
-        self._engine.forget(self)
-        unfinished = [rid for rid, done in zip(self.request_ids, self._is_finished) if not done]
-        if unfinished:
-            self._engine.abort(unfinished)
-
-
-@dataclass
-class _Tracked:
-    """The engine thread's record of one engine request."""
-
-    group: RequestGroup
-    index: int
-    num_prompt_tokens: int
-    is_admitted: bool = False
-    first_token_time_s: float | None = None
-    last_token_time_s: float | None = None
-    last_output: RequestOutput | None = None
 
 
 @dataclass
@@ -184,7 +80,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
-        self.supervision = supervision or SupervisionConfig()
+        self.supervisor = StepSupervisor(supervision or SupervisionConfig())
         # Called (from any thread) when the engine cannot go on: the server exits non-zero.
         self.on_fatal: Callable[[str], None] | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -192,13 +88,11 @@ class AsyncLLMEngine:
         self._num_waiting = 0  # submitted, not yet admitted to a batch the first time
         self._dead_reason: str | None = None
         self._draining = False
-        self._step_started_s: float | None = None  # set while a step runs (the watchdog)
-        self._restart_times_s: list[float] = []
         self._groups: dict[int, RequestGroup] = {}  # every group not yet finished
         self._host_memory = HostMemory()
         self._last_trim_s = time.monotonic()
         self._thread: threading.Thread | None = None
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._tracked: dict[str, TrackedRequest] = {}  # engine thread only
         self._last_saturation_read_s = 0.0
         # Called on the engine thread when it has handled commands and holds no request.
         self.idle_loggers: list[Callable[[], None]] = []
@@ -213,7 +107,7 @@ class AsyncLLMEngine:
         release_openmp_workers()
         self._thread = threading.Thread(target=self._run, name="infer8-engine", daemon=True)
         self._thread.start()
-        if self.supervision.step_timeout_s is not None:
+        if self.supervisor.watch_period_s is not None:
             watchdog = threading.Thread(target=self._watch, name="infer8-watchdog", daemon=True)
             watchdog.start()
 
@@ -223,7 +117,7 @@ class AsyncLLMEngine:
             if self._dead_reason is None:
                 self._dead_reason = "the server is shutting down"
             self._commands.put(_StopCommand())
-            is_wedged = self._step_started_s is not None and self._wedged_for_s() is not None
+        is_wedged = self.supervisor.wedged_for_s() is not None
         if self._thread is not None and not is_wedged:
             self._thread.join(timeout_s)
 
@@ -231,16 +125,13 @@ class AsyncLLMEngine:
         """Return why the engine cannot serve (dead, wedged, a failed worker), or None."""
         with self._lock:
             dead_reason = self._dead_reason
-            wedged_s = self._wedged_for_s()
         if dead_reason is not None:
             return dead_reason
         if self._thread is None or not self._thread.is_alive():
             return "the engine thread is not running"
-        if wedged_s is not None:
-            return (
-                f"an engine step has run for {wedged_s:.0f} s, over the "
-                f"{self.supervision.step_timeout_s:.0f} s limit: the engine is wedged"
-            )
+        wedged = self.supervisor.wedged_reason()
+        if wedged is not None:
+            return wedged
         if not self.engine.is_healthy():
             return "a tensor-parallel worker failed"
         return None
@@ -270,7 +161,7 @@ class AsyncLLMEngine:
     @property
     def num_restarts(self) -> int:
         """Return how many times the engine was rebuilt in-process."""
-        return len(self._restart_times_s)
+        return self.supervisor.num_restarts
 
     def start_drain(self, abort_after_s: float) -> None:
         """Refuse new requests now; abort those still running after abort_after_s.
@@ -339,25 +230,16 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(result)
 
     # -- supervision --------------------------------------------------------------------------
-    def _wedged_for_s(self) -> float | None:
-        """Return how long the current step has run if over the limit (caller holds the lock)."""
-        limit, started = self.supervision.step_timeout_s, self._step_started_s
-        if limit is None or started is None:
-            return None
-        elapsed = time.monotonic() - started
-        return elapsed if elapsed > limit else None
-
     def _watch(self) -> None:
         """Watchdog thread: fail everything and ask for an exit once a step overruns its limit."""
-        assert self.supervision.step_timeout_s is not None
-        period_s = min(1.0, self.supervision.step_timeout_s / 10)
+        period_s = self.supervisor.watch_period_s
+        assert period_s is not None
         while True:
             time.sleep(period_s)
             with self._lock:
                 if self._dead_reason is not None:
                     return
-                wedged_s = self._wedged_for_s()
-            if wedged_s is not None:
+            if self.supervisor.wedged_for_s() is not None:
                 reason = self.health() or "the engine is wedged"
                 logger.error("watchdog: %s; failing in-flight requests and exiting", reason)
                 self._die(EngineDeadError(reason))
@@ -371,17 +253,12 @@ class AsyncLLMEngine:
     def _restart_or_die(self, error: BaseException) -> bool:
         """After a failed step: fail the requests in flight, rebuild the engine; False if fatal."""
         now_s = time.monotonic()
-        window = self.supervision.restart_window_s
-        recent = [t for t in self._restart_times_s if now_s - t < window]
         reason: str | None = None
         if not self.engine.can_reset:
             reason = f"the engine failed: {error}"
-        elif len(recent) >= self.supervision.max_restarts:
-            reason = (
-                f"the engine failed {len(recent) + 1} times within {window:.0f} s "
-                f"(last: {type(error).__name__}); exiting so the orchestrator restarts the process"
-            )
         else:
+            reason = self.supervisor.refuse_restart(error, now_s)
+        if reason is None:
             self._fail_tracked(
                 EngineDeadError(
                     "the engine failed while running this request and is being restarted; retry it"
@@ -392,7 +269,7 @@ class AsyncLLMEngine:
             except Exception as e:  # noqa: BLE001 - cannot rebuild: the process must go
                 reason = f"the engine failed and could not be rebuilt in-process: {e}"
             else:
-                self._restart_times_s.append(now_s)
+                self.supervisor.record_restart(now_s)
                 if self.metrics is not None:
                     self.metrics.on_engine_restart()
                 logger.error("the engine was rebuilt in-process (restart %d)", self.num_restarts)
@@ -426,8 +303,7 @@ class AsyncLLMEngine:
                 return
             except BaseException as e:  # noqa: BLE001 - the thread must report every failure
                 logger.exception("the engine loop failed")
-                with self._lock:
-                    self._step_started_s = None
+                self.supervisor.step_ended()
                 if not self._restart_or_die(e):
                     return
 
@@ -480,7 +356,7 @@ class AsyncLLMEngine:
                     prompt, params, request_id, group.arrival_time_s, group.cache_salt
                 )
                 added.append(request_id)
-                self._tracked[request_id] = _Tracked(group, index, len(prompt))
+                self._tracked[request_id] = TrackedRequest(group, index, len(prompt))
         except ValueError as e:
             self.engine.abort_request(added)
             for request_id in added:
@@ -496,7 +372,7 @@ class AsyncLLMEngine:
         self.engine.abort_request(request_ids)
         for request_id in request_ids:
             tracked = self._tracked.pop(request_id)
-            output = _aborted_output(request_id, tracked)
+            output = tracked.group.aborted_output(tracked.index, tracked.last_output)
             self._on_finished(tracked, output)
             tracked.group.put((tracked.index, output))
 
@@ -509,12 +385,10 @@ class AsyncLLMEngine:
 
     def _step(self) -> None:
         step_start_s = time.monotonic()
-        with self._lock:
-            self._step_started_s = step_start_s
+        self.supervisor.step_started(step_start_s)
         outputs = self.engine.step()
         now_s = time.monotonic()
-        with self._lock:
-            self._step_started_s = None
+        self.supervisor.step_ended()
         stats = self.engine.last_stats
         if self.metrics is not None:
             self.metrics.on_step(stats)
@@ -529,30 +403,13 @@ class AsyncLLMEngine:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue
-            self._on_tokens(tracked, output, now_s)
+            tracked.record_tokens(output, now_s, self.metrics)
             if output.finished:
                 del self._tracked[output.request_id]
                 self._on_finished(tracked, output)
             tracked.group.put((tracked.index, output))
 
-    def _on_tokens(self, tracked: _Tracked, output: RequestOutput, now_s: float) -> None:
-        """Record token timing for the metrics."""
-        tracked.last_output = output
-        num_new = len(output.outputs[0].delta_token_ids)
-        if self.metrics is not None and num_new:
-            if tracked.first_token_time_s is None:
-                self.metrics.on_first_token(
-                    now_s - tracked.group.arrival_time_s, tracked.num_prompt_tokens
-                )
-            else:
-                assert tracked.last_token_time_s is not None
-                self.metrics.on_next_tokens((now_s - tracked.last_token_time_s) / num_new)
-            self.metrics.on_generation_tokens(num_new)
-        if num_new:
-            tracked.first_token_time_s = tracked.first_token_time_s or now_s
-            tracked.last_token_time_s = now_s
-
-    def _on_finished(self, tracked: _Tracked, output: RequestOutput) -> None:
+    def _on_finished(self, tracked: TrackedRequest, output: RequestOutput) -> None:
         if not tracked.is_admitted:
             tracked.is_admitted = True  # never will be: it leaves the waiting count now
             self._release_waiting(1)
@@ -592,25 +449,3 @@ class AsyncLLMEngine:
         self._tracked.clear()
         for group in groups.values():
             group.put(error)
-
-
-def _aborted_output(request_id: str, tracked: _Tracked) -> RequestOutput:
-    """Return the final output of an aborted request: what it had, nothing new."""
-    last = tracked.last_output
-    if last is None:
-        completion = CompletionOutput(0, "", [], None, None)
-        prompt_token_ids = tracked.group.prompts[tracked.index]
-    else:
-        previous = last.outputs[0]
-        is_delta = tracked.group.params[tracked.index].output_kind == RequestOutputKind.DELTA
-        completion = dataclasses.replace(
-            previous,
-            text="" if is_delta else previous.text,
-            token_ids=[] if is_delta else previous.token_ids,
-            delta_text="",
-            delta_token_ids=[],
-            logprobs=None if previous.logprobs is None else [],
-        )
-        prompt_token_ids = last.prompt_token_ids
-    completion.finish_reason = "abort"
-    return RequestOutput(request_id, None, prompt_token_ids, [completion], finished=True)

@@ -17,12 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infer8.engine import LLMEngine
-from infer8.entrypoints.async_engine import (
-    AsyncLLMEngine,
-    EngineDeadError,
-    RequestGroup,
-    SupervisionConfig,
-)
+from infer8.entrypoints.async_engine import AsyncLLMEngine
 from infer8.entrypoints.console import CONSOLE_PUBLIC_PATHS, StepRecorder, add_console_routes
 from infer8.entrypoints.openai.cli_args import ServerConfig
 from infer8.entrypoints.openai.guards import (
@@ -56,7 +51,9 @@ from infer8.entrypoints.openai.serving import WorkPool
 from infer8.entrypoints.openai.serving_chat import OpenAIServingChat
 from infer8.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from infer8.entrypoints.openai.vllm_compat import parse_json_list
+from infer8.entrypoints.request_group import EngineDeadError, RequestGroup
 from infer8.entrypoints.sse import SSEResponse, wait_for_disconnect
+from infer8.entrypoints.supervision import SupervisionConfig
 from infer8.metrics import EngineMetrics
 from infer8.version import __version__
 

@@ -13,14 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from infer8.entrypoints.async_engine import (
-    AsyncLLMEngine,
-    EngineDeadError,
-    EngineDrainingError,
-    EngineOverloadedError,
-    RequestFailedError,
-    RequestGroup,
-)
+from infer8.entrypoints.async_engine import AsyncLLMEngine
 from infer8.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -30,6 +23,13 @@ from infer8.entrypoints.openai.protocol import (
 from infer8.entrypoints.openai.request_limits import MAX_ENGINE_REQUESTS_PER_API_REQUEST
 from infer8.entrypoints.openai.structured import compile_or_400, request_constraint
 from infer8.entrypoints.openai.tool_calls import ToolContext, resolve_tools
+from infer8.entrypoints.request_group import (
+    EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
+    RequestFailedError,
+    RequestGroup,
+)
 from infer8.outputs import CompletionOutput, Logprobs, RequestOutput
 from infer8.sampling_params import RequestOutputKind, SamplingParams
 
