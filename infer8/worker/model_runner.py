@@ -19,7 +19,8 @@ from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.models.llama import LlamaForCausalLM
 from infer8.worker.block_tables import BlockTables
 from infer8.worker.kv_offload import HostKVCache
-from infer8.worker.sampler import Sampler, SamplingState
+from infer8.worker.penalties import SamplingState
+from infer8.worker.sampler import Sampler
 from infer8.worker.tail_seats import SinkSlots, TailRows
 
 if TYPE_CHECKING:  # triton is only needed (and installed) on CUDA machines

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from infer8.sampling_params import SamplingParams
+from infer8.worker.penalties import (
+    LOGIT_LIMIT,
+    SamplingState,
+    apply_penalties,
+    finite_,
+    row_error,
+)
 
 logger = logging.getLogger(__name__)
 
-# Logits are clamped to +-_LOGIT_LIMIT after each step that could overflow; real logits are
-# orders of magnitude smaller, and dividing the limit by the smallest sampled temperature
-# (1e-5) still fits float32.
-_LOGIT_LIMIT = 1e20
 _GREEDY_TEMPERATURE = 1e-5
 # Rows with top-k or top-p are filtered and sampled among their CANDIDATES[0] most likely
 # tokens when their support fits there (chat defaults such as temperature 0.2, top_p 0.9 nearly
@@ -39,120 +41,12 @@ NATIVE_CAP = 4096
 RowLogprobs = tuple[float, list[tuple[int, float]]]
 
 
-@dataclass
-class SamplingState:
-    """One request's sampling inputs that live across steps (kept by the model runner)."""
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def needs_penalties(self) -> bool:
-        """Return whether this step's logits need a per-row penalty or a min_tokens mask."""
-        p = self.params
-        return (
-            p.repetition_penalty != 1.0
-            or bool(p.presence_penalty)
-            or bool(p.frequency_penalty)
-            or len(self.output_token_ids) < p.min_tokens
-        )
-
-
 class SamplerOutput(NamedTuple):
     """Sampled ids per row (-1 for a failed row), logprobs where asked, and row failures."""
 
     token_ids: list[int]
     logprobs: list[RowLogprobs | None]
     errors: dict[int, str]
-
-
-def _finite_(x: torch.Tensor) -> torch.Tensor:
-    """Clamp in place into [-_LOGIT_LIMIT, _LOGIT_LIMIT]; NaN goes to the bottom."""
-    torch.nan_to_num_(x, nan=-_LOGIT_LIMIT, posinf=_LOGIT_LIMIT, neginf=-_LOGIT_LIMIT)
-    return x.clamp_(-_LOGIT_LIMIT, _LOGIT_LIMIT)
-
-
-def _check_ids(ids: list[int], vocab_size: int, what: str) -> None:
-    """Raise ValueError if a token id is outside the vocabulary."""
-    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
-        raise ValueError(f"{what} hold a token id outside the vocabulary of {vocab_size}")
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    rows: list[int],
-    states: list[SamplingState],
-    stop_ids: list[list[int]],
-) -> dict[int, str]:
-    """Apply repetition/presence/frequency penalties and min_tokens in place to `rows` of
-    logits ([num_rows, vocab] float32, already finite); stop_ids[j] are row rows[j]'s.
-
-    Batched over every row at once: each penalty is one gather / scatter over the flat
-    (row, token) positions it touches (vLLM scatters into a dense [rows, vocab] count tensor;
-    on a CPU, fresh dense tensors cost more than the positions). Returns the failed rows.
-    """
-    vocab, device = logits.shape[1], logits.device
-    flat = logits.view(-1)
-    errors: dict[int, str] = {}
-    kept: list[int] = []
-    for i in rows:
-        s = states[i]
-        try:
-            _check_ids(s.output_token_ids, vocab, "the output tokens")
-            if s.params.repetition_penalty != 1.0:
-                _check_ids(s.prompt_token_ids, vocab, "the prompt tokens")
-        except ValueError as e:
-            errors[i] = _row_error(i, e)
-            continue
-        kept.append(i)
-    params = [states[i].params for i in kept]
-    is_kept = set(kept)
-
-    def positions(ids_per_row: list[list[int]]) -> torch.Tensor:
-        """Return the flat positions row * vocab + token of every pair, in one tensor."""
-        pos = [i * vocab + t for i, ids in zip(kept, ids_per_row) for t in ids]
-        return torch.tensor(pos, dtype=torch.int64, device=device)
-
-    def per_row(values: list[float], pos: torch.Tensor) -> torch.Tensor:
-        """Return each position's row value (float32, like the logits)."""
-        table = torch.zeros(logits.shape[0], dtype=logits.dtype, device=device)
-        table[torch.tensor(kept, dtype=torch.int64, device=device)] = torch.tensor(
-            values, dtype=logits.dtype, device=device
-        )
-        return table[pos // vocab]
-
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = positions([
-            [*states[i].prompt_token_ids, *states[i].output_token_ids]
-            if p.repetition_penalty != 1.0 else []
-            for i, p in zip(kept, params)
-        ]).unique()  # fmt: skip
-        vals = flat[seen]
-        rep = per_row([p.repetition_penalty for p in params], seen)
-        flat[seen] = torch.where(vals > 0, vals / rep, vals * rep)
-    if any(p.frequency_penalty or p.presence_penalty for p in params):
-        out, counts = positions([
-            states[i].output_token_ids if p.frequency_penalty or p.presence_penalty else []
-            for i, p in zip(kept, params)
-        ]).unique(return_counts=True)  # fmt: skip
-        freq = per_row([p.frequency_penalty for p in params], out)
-        pres = per_row([p.presence_penalty for p in params], out)
-        flat[out] -= freq * counts.to(logits.dtype) + pres * torch.ones_like(freq)
-    _finite_(logits)  # the other rows are finite already
-    masked = [
-        [t for t in stop_ids[j] if t < vocab]
-        if len(states[i].output_token_ids) < states[i].params.min_tokens and i in is_kept
-        else []
-        for j, i in enumerate(rows)
-    ]  # fmt: skip
-    masked = [ids if len(ids) < vocab else [] for ids in masked]  # never mask every token
-    if any(masked):
-        pos = [i * vocab + t for i, ids in zip(rows, masked) for t in ids]
-        flat[torch.tensor(pos, dtype=torch.int64, device=device)] = -float("inf")
-    return errors
 
 
 def _filter_params(
@@ -254,7 +148,7 @@ class Sampler:
         candidates: Candidates | None = None,
     ) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        # (logits, limit) -> each row's argmax after _finite_, without the copy: a native pass
+        # (logits, limit) -> each row's argmax after finite_, without the copy: a native pass
         # on CPU (NativeSampling.greedy), for steps whose rows are all plain greedy
         self.greedy = greedy
         # (scaled logits, top_p, top_k, cap) -> (ids, count, row max, softmax denominator): the
@@ -272,7 +166,7 @@ class Sampler:
             plain = (s.params.is_greedy and s.params.logprobs is None and not s.needs_penalties
                      for s in states)  # fmt: skip
             if all(plain):
-                tokens = self.greedy(logits, _LOGIT_LIMIT)
+                tokens = self.greedy(logits, LOGIT_LIMIT)
                 return SamplerOutput(tokens, [None] * len(states), {})
         logits = logits.to(torch.float32, copy=True)  # [num_rows, vocab], our own copy
         # Tokens already masked (-inf: a grammar's bitmask) stay masked whatever the penalties
@@ -280,7 +174,7 @@ class Sampler:
         is_masked = None
         if any(s.needs_penalties for s in states):
             is_masked = torch.isneginf(logits)
-        _finite_(logits)
+        finite_(logits)
         errors: dict[int, str] = {}
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in states):
@@ -300,9 +194,9 @@ class Sampler:
                     try:
                         errors.update(apply_penalties(processed, [i], states, [ids]))
                     except Exception as e:  # noqa: BLE001
-                        errors[i] = _row_error(i, e)
+                        errors[i] = row_error(i, e)
         if is_masked is not None:
-            processed.masked_fill_(is_masked, -_LOGIT_LIMIT)
+            processed.masked_fill_(is_masked, -LOGIT_LIMIT)
         sampled = [i for i, s in enumerate(states) if not s.params.is_greedy and i not in errors]
         # the greedy rows' argmax (a pass over the vocabulary saved when no row is greedy)
         if len(sampled) == len(states):
@@ -317,7 +211,7 @@ class Sampler:
                     try:
                         self._sample_rows(processed, states, [i], tokens)
                     except Exception as e:  # noqa: BLE001
-                        errors[i] = _row_error(i, e)
+                        errors[i] = row_error(i, e)
         logprobs: list[RowLogprobs | None] = []
         for i, s in enumerate(states):
             if s.params.logprobs is None or raw_logprobs is None or i in errors:
@@ -348,7 +242,7 @@ class Sampler:
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         every = len(rows) == logits.shape[0]  # rows are sorted: then they are all of them
         sub = logits if every else logits.index_select(0, index)
-        scaled = _finite_(sub / temps.clamp(min=_GREEDY_TEMPERATURE)[:, None])
+        scaled = finite_(sub / temps.clamp(min=_GREEDY_TEMPERATURE)[:, None])
         uniform = torch.empty(len(rows), dtype=torch.float64, device=device)
         shared = [j for j, i in enumerate(rows) if states[i].generator is None]
         if shared:
@@ -456,8 +350,3 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         last = probs.shape[1] - 1 - positive.flip(1).to(torch.int8).argmax(1)
         chosen[zero] = torch.minimum(chosen[zero], last)
     return chosen
-
-
-def _row_error(row: int, error: Exception) -> str:
-    logger.exception("sampling failed for batch row %d", row, exc_info=error)
-    return f"sampling failed: {type(error).__name__}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,7 @@ from infer8.distributed.sharding import TensorParallelShard
 from infer8.host_memory import HostMemory
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.models.loader import load_model, read_model_config
-from infer8.quant import fp8, kv_scales
+from infer8.quant import fp8
 from infer8.utils import cdiv
 from infer8.worker.cpu_linear import (
     bound_kernel_caches,
@@ -38,6 +37,7 @@ from infer8.worker.cpu_linear import (
 )
 from infer8.worker.kv_offload import HostKVCache, num_host_blocks_for
 from infer8.worker.kv_populate import populate_in_background
+from infer8.worker.kv_scale_source import resolve_kv_scales
 from infer8.worker.memory import (
     GiB,
     MemoryPlan,
@@ -124,9 +124,9 @@ class Worker:
                 model.set_elementwise_ops(native.elementwise)
         arch = model.config
         kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
-        static_scales, self.kv_scale_source = self._static_kv_scales(
-            ckpt_kv_scales, kv_dtype, arch.num_hidden_layers, arch.num_key_value_heads,
-            arch.head_dim,
+        static_scales, self.kv_scale_source = resolve_kv_scales(
+            cache_config, kv_dtype, ckpt_kv_scales, self.tp_shard, arch.num_hidden_layers,
+            arch.num_key_value_heads, arch.head_dim, self.is_driver,
         )  # fmt: skip
         tail_tokens = cache_config.kv_cache_exact_tail_tokens or 0  # resolved in the config
         self.kv_spec = KVCacheSpec(
@@ -334,49 +334,6 @@ class Worker:
                 else ""
             )
         )
-
-    def _static_kv_scales(
-        self,
-        ckpt_scales: dict[int, dict[str, torch.Tensor]],
-        kv_dtype: torch.dtype,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-    ) -> tuple[kv_scales.StaticKVScales | None, str]:
-        """Return this rank's static FP8 scales if asked for and found, and where scales come
-        from (none, dynamic, static (...)).
-
-        Static mode without scales never falls back to 1.0: it says so loudly and uses
-        dynamic per-token scales instead ("dynamic (static scales missing)").
-        """
-        cfg = self.cache_config
-        if kv_dtype not in fp8.FP8_DTYPES:
-            if cfg.kv_scale == "static":
-                logger.warning("--kv-scale static has no effect with a %s KV cache", kv_dtype)
-            return None, "none"
-        if cfg.kv_scale == "dynamic":
-            return None, "dynamic"
-        if cfg.kv_scales_path is not None:
-            shard = self.tp_shard  # the file covers the model's KV heads; keep this rank's
-            file_heads = num_kv_heads if shard is None else shard.config.num_key_value_heads
-            scales = kv_scales.load_calibration(
-                cfg.kv_scales_path, kv_dtype, num_layers, file_heads, head_dim
-            )
-            if shard is not None:
-                scales = shard.shard_static_scales(scales)
-        else:
-            scales = kv_scales.from_checkpoint(ckpt_scales, num_layers, num_kv_heads, head_dim)
-        if scales is None:
-            message = (
-                "WARNING: --kv-scale static was requested but the checkpoint has no k_scale/v_scale "
-                "tensors and no --kv-scales-path was given; NOT using a scale of 1.0: falling back "
-                "to dynamic per-token scales. Run `infer8 calibrate-kv MODEL --out scales.json`."
-            )
-            logger.warning(message)
-            if self.is_driver:
-                print(message, file=sys.stderr, flush=True)
-            return None, "dynamic (static scales missing)"
-        return scales, f"static ({scales.source})"
 
     def _graph_capture(
         self, model: LlamaForCausalLM, max_model_len: int

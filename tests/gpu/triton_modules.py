@@ -18,7 +18,10 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 _ORDER = (
     "infer8.attention.triton.write",
     "infer8.attention.triton.tail",
-    "infer8.attention.triton.kernels",
+    "infer8.attention.triton.tail_write",
+    "infer8.attention.triton.tiles",
+    "infer8.attention.triton.decode",
+    "infer8.attention.triton.prefill",
     "infer8.attention.triton.launch",
     "infer8.attention.triton.backend",
     "infer8.worker.cuda_graphs",

@@ -409,8 +409,8 @@ def test_write_store_matches_the_torch_write(native: NativeKernels) -> None:
 
 def test_greedy_is_the_argmax_of_the_sanitized_logits(native: NativeKernels) -> None:
     """NaN, infinities, values beyond the clamp limit, ties (the first wins), rows of every
-    length modulo the 8 lanes: the sampler's _finite_ then argmax, index for index."""
-    from infer8.worker.sampler import _LOGIT_LIMIT, _finite_
+    length modulo the 8 lanes: the sampler's finite_ then argmax, index for index."""
+    from infer8.worker.penalties import LOGIT_LIMIT, finite_
 
     torch.manual_seed(0)
     for n in (1, 7, 8, 13, 49152):
@@ -424,8 +424,8 @@ def test_greedy_is_the_argmax_of_the_sanitized_logits(native: NativeKernels) -> 
         x[5, 0] = 2e20
         x[6, n - 1] = 1e3  # the maximum last (in the scalar tail when n % 8)
         x[7, :] = 1.0  # all equal
-        want = _finite_(x.clone()).argmax(dim=-1).tolist()
-        assert native.sampling.greedy(x, _LOGIT_LIMIT) == want, n
+        want = finite_(x.clone()).argmax(dim=-1).tolist()
+        assert native.sampling.greedy(x, LOGIT_LIMIT) == want, n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

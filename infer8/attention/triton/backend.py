@@ -25,12 +25,8 @@ from infer8.attention.triton.launch import (
     paged_prefill_attention,
     write_kv,
 )
-from infer8.attention.triton.tail import (
-    TritonTailStep,
-    build_tail_step,
-    tail_residuals,
-    write_ring,
-)
+from infer8.attention.triton.tail import TritonTailStep, build_tail_step
+from infer8.attention.triton.tail_write import tail_residuals, write_ring
 
 
 @dataclass

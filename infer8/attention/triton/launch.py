@@ -1,5 +1,5 @@
 """The launchers of the Triton attention kernels: the fused quantize-on-write (write.py), split-K
-decode and varlen prefill (kernels.py) that read 1-byte FP8 blocks and dequantize them in
+decode and varlen prefill (decode.py, prefill.py) that read 1-byte FP8 blocks and dequantize them in
 registers; the backend over them is backend.py.
 
 The cache layout is the reference's: K/V [num_kv_heads, num_blocks, block_size, head_dim],
@@ -23,7 +23,8 @@ import triton.language as tl
 
 from infer8.attention.exact_tail import rotate
 from infer8.attention.kv_cache import LayerKVCache
-from infer8.attention.triton.kernels import decode_kernel, prefill_kernel, reduce_kernel
+from infer8.attention.triton.decode import decode_kernel, reduce_kernel
+from infer8.attention.triton.prefill import prefill_kernel
 from infer8.attention.triton.tail import (
     TritonTailStep,
 )

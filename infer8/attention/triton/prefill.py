@@ -1,0 +1,161 @@
+"""Varlen causal prefill attention over the paged cache (a chunk's queries against its cached
+prefix and itself), reading FP8 blocks and the exact tail's residuals as decode does."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from infer8.attention.triton.tail import seq_tail, tail_exact, tile_has_tail
+from infer8.attention.triton.tiles import load_kv_tile, tail_scores, tail_values
+from infer8.attention.triton.write import rotate_rows
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    k_static_ptr,
+    v_static_ptr,
+    out_ptr,
+    q_start_ptr,
+    q_lens_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ch,
+    stride_cb,
+    stride_cs,
+    stride_sh,
+    stride_sb,
+    stride_static_h,
+    stride_static_d,
+    stride_bt,
+    head_dim,
+    rot_ptr,
+    tail_store_ptr,
+    tail_store_scale_ptr,
+    tail_new_ptr,
+    tail_new_scale_ptr,
+    tail_seq_ptr,
+    window,
+    ring,
+    ring_mod,
+    row_width,
+    store_stride_h,
+    store_scale_stride_h,
+    num_kv_heads,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+    ROTATE: tl.constexpr,
+):
+    """BLOCK_M new tokens of one sequence, one query head, over its cached context.
+
+    Query j of a chunk of q_len sits at position seq_len - q_len + j and sees keys up to it:
+    full attention over the cached prefix, causal within the chunk.
+    """
+    i = tl.program_id(0)
+    m_tile = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(q_start_ptr + i).to(tl.int64)
+    q_len = tl.load(q_lens_ptr + i)
+    seq_len = tl.load(seq_lens_ptr + i)
+    context_len = seq_len - q_len
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < head_dim
+    positions = context_len + offs_m
+    rows = (q_start + offs_m)[:, None]
+    q = tl.load(
+        q_ptr + rows * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [BLOCK_M, BLOCK_D]
+    if SCALE_MODE == 2:
+        static_off = kv_head * stride_static_h + offs_d * stride_static_d
+        q = q * tl.load(k_static_ptr + static_off, mask=mask_d, other=0.0)[None, :]
+    if ROTATE:
+        q = rotate_rows(q, rot_ptr, head_dim, BLOCK_D)
+    q = q.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
+    table_row = block_table_ptr + i.to(tl.int64) * stride_bt
+    if HAS_TAIL:  # as in decode_kernel; this chunk's residuals start at row q_start
+        lo, num_sinks, ring_row, sink_row, res_k, res_v = seq_tail(
+            tail_seq_ptr, i, kv_head, num_kv_heads, head_dim, tail_store_ptr,
+            tail_store_scale_ptr, tail_new_ptr, tail_new_scale_ptr, store_stride_h,
+            store_scale_stride_h,
+        )  # fmt: skip
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    # Keys past this tile's last query are never seen; a tile past the chunk reads nothing.
+    kv_end = tl.where(
+        m_tile * BLOCK_M < q_len, tl.minimum(seq_len, context_len + (m_tile + 1) * BLOCK_M), 0
+    )
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < seq_len
+        k, k_s = load_kv_tile(
+            k_cache_ptr, k_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
+            stride_ch, stride_cb, stride_cs, stride_sh, stride_sb,
+            BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
+        )  # fmt: skip
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        scores = scores * (k_s * qk_scale)[None, :]
+        if HAS_TAIL:
+            exact, has_res = tail_exact(offs_n, mask_n, positions, lo, num_sinks, window)
+            in_tail = tile_has_tail(n0, lo, num_sinks, context_len + m_tile * BLOCK_M, window,
+                                    BLOCK_N)  # fmt: skip
+            res_at = (offs_n, offs_d, mask_d, has_res, context_len, lo, ring, ring_mod,
+                      ring_row, sink_row, q_start, row_width, head_dim, 2 * num_kv_heads)  # fmt: skip
+            if in_tail:
+                scores = tail_scores(scores, q, exact, res_k, res_at, qk_scale, PRECISION,
+                                      DOT_DTYPE)  # fmt: skip
+        visible = mask_n[None, :] & (offs_n[None, :] <= positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # every row sees key 0 in the first tile, so m_new is finite from there on
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v, v_s = load_kv_tile(
+            v_cache_ptr, v_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
+            stride_ch, stride_cb, stride_cs, stride_sh, stride_sb,
+            BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
+        )  # fmt: skip
+        pv = (p * v_s[None, :]).to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+        if HAS_TAIL:
+            if in_tail:
+                acc = tail_values(acc, p, exact, res_v, res_at, q_ptr.dtype.element_ty,
+                                   PRECISION, DOT_DTYPE)  # fmt: skip
+        m_i = m_new
+
+    if SCALE_MODE == 2:
+        static_off = kv_head * stride_static_h + offs_d * stride_static_d
+        acc = acc * tl.load(v_static_ptr + static_off, mask=mask_d, other=0.0)[None, :]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if ROTATE:
+        out = rotate_rows(out, rot_ptr, head_dim, BLOCK_D)
+    tl.store(
+        out_ptr + rows * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
