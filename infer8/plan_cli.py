@@ -13,11 +13,11 @@ from infer8.plan import (
     ASSUMPTIONS,
     Plan,
     PlanInputs,
-    evaluate_claim,
     exact_tail_bytes,
     plan_capacity,
     ways_to_fit,
 )
+from infer8.plan_claims import evaluate_claim
 from infer8.plan_presets import (
     BF16_BYTES,
     DEVICE_PRESETS,

@@ -10,7 +10,8 @@ import pytest
 
 from infer8.cli import main
 from infer8.entrypoints.args import CHOICES
-from infer8.plan import PlanInputs, estimate_activation_bytes, evaluate_claim, plan_capacity
+from infer8.plan import PlanInputs, estimate_activation_bytes, plan_capacity
+from infer8.plan_claims import evaluate_claim
 from infer8.plan_presets import (
     DEVICE_PRESETS,
     KV_ELEMENT_BYTES,
