@@ -3,12 +3,14 @@
 #
 # CPU (the default):
 #   docker build -t infer8:cpu .
-# CUDA: a CUDA base image (Python >= 3.10 is installed from its packages when missing) and a
-# CUDA build of torch:
+# CUDA: a CUDA base image (Python >= 3.10 is installed from its packages when missing) and the
+# CUDA build of the torch CI tests (TORCH_SPEC's default); every other package, Triton included,
+# at the version of scripts/constraints.txt, the one the kernels are compile-checked with
+# (tests/gpu/test_triton_compile.py). A torch whose own Triton pin differs fails the build here,
+# not the first request:
 #   docker build -t infer8:cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04 \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124 \
-#     --build-arg TORCH_SPEC=torch .
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124 .
 # Run (arguments are `infer8 serve` flags; no model argument serves the default model):
 #   docker run --rm -p 8000:8000 -v /srv/models:/models:ro infer8:cpu /models/<model-dir>
 #
@@ -46,8 +48,9 @@ RUN set -eux; \
 RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
 
 COPY pyproject.toml README.md /tmp/infer8-src/
+COPY scripts/constraints.txt /tmp/infer8-src/scripts/constraints.txt
 COPY infer8 /tmp/infer8-src/infer8
-RUN pip install /tmp/infer8-src && rm -rf /tmp/infer8-src
+RUN pip install -c /tmp/infer8-src/scripts/constraints.txt /tmp/infer8-src && rm -rf /tmp/infer8-src
 
 RUN set -eux; \
     groupadd --system --gid 10001 infer8; \

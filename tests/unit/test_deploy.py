@@ -422,3 +422,21 @@ def test_the_image_has_the_c_compiler_triton_and_the_cpu_kernels_need() -> None:
     runs = " ".join(args for name, args in dockerfile_instructions() if name == "RUN")
     assert " gcc" in runs and "libc6-dev" in runs
     assert "python3-dev" in runs  # Python.h where the CUDA base image's Python comes from apt
+
+
+def test_dockerfile_installs_the_torch_and_triton_the_kernels_are_checked_with() -> None:
+    """The image (CPU or CUDA recipe) gets torch at setup.sh's pin and every other package,
+    Triton included, at scripts/constraints.txt's version, and the build context carries it."""
+    instructions = dockerfile_instructions()
+    args = dict(a.split("=", 1) for n, a in instructions if n == "ARG" and "=" in a)
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert f'"{args["TORCH_SPEC"]}"' in setup, "the image's torch is not the one CI tests"
+    assert "TORCH_SPEC=torch " not in (ROOT / "Dockerfile").read_text(), "an unpinned torch"
+    constraints = (ROOT / "scripts" / "constraints.txt").read_text().splitlines()
+    assert any(line.startswith("triton==") for line in constraints)
+    installs = [a for n, a in instructions if n == "RUN" and "/tmp/infer8-src" in a]
+    assert installs and all("-c /tmp/infer8-src/scripts/constraints.txt" in a for a in installs)
+    copies = [a.split() for n, a in instructions if n == "COPY"]
+    assert ["scripts/constraints.txt", "/tmp/infer8-src/scripts/constraints.txt"] in copies
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "!scripts/constraints.txt" in ignore, ".dockerignore keeps the constraints out"
