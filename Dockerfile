@@ -7,10 +7,11 @@
 # CUDA build of the torch CI tests (TORCH_SPEC's default); every other package, Triton included,
 # at the version of scripts/constraints.txt, the one the kernels are compile-checked with
 # (tests/gpu/test_triton_compile.py). A torch whose own Triton pin differs fails the build here,
-# not the first request:
+# not the first request. TORCH_INDEX_URL must be an index that has that torch for the base image's
+# CUDA:
 #   docker build -t infer8:cuda \
-#     --build-arg BASE_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04 \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124 .
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04 \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 # Run (arguments are `infer8 serve` flags; no model argument serves the default model):
 #   docker run --rm -p 8000:8000 -v /srv/models:/models:ro infer8:cpu /models/<model-dir>
 #
