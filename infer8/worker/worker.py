@@ -36,7 +36,7 @@ from infer8.worker.cpu_linear import (
     probe_packing,
 )
 from infer8.worker.kv_offload import HostKVCache, num_host_blocks_for
-from infer8.worker.kv_populate import populate_in_background
+from infer8.worker.kv_populate import StepGate, populate_in_background
 from infer8.worker.kv_scale_source import resolve_kv_scales
 from infer8.worker.memory import (
     GiB,
@@ -168,8 +168,9 @@ class Worker:
             self.kv_spec, self.num_blocks, device, self.num_tail_rows,
             None if static_scales is None else (static_scales.k, static_scales.v),
         )  # fmt: skip
-        # CPU: the cache maps lazily; its pages are faulted in ahead of use, in idle CPU time
-        self.kv_populate = populate_in_background(self.kv_caches)
+        # CPU: the cache maps lazily; its pages are faulted in ahead of use while no step runs
+        self.step_gate = StepGate()
+        self.kv_populate = populate_in_background(self.kv_caches, self.step_gate)
         self.host_kv_cache = self._allocate_host_tier(device)
         self.num_host_blocks = 0 if self.host_kv_cache is None else self.host_kv_cache.num_blocks
         if self.is_driver:
@@ -390,7 +391,8 @@ class Worker:
     # -- the step API ---------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; only the driver (rank 0) returns samples."""
-        return self.runner.execute(scheduler_output)
+        with self.step_gate.step():  # the KV populate thread waits meanwhile
+            return self.runner.execute(scheduler_output)
 
     def reset(self) -> None:
         """Forget every request's state (after a failed step); weights and KV memory stay."""

@@ -8,13 +8,14 @@ import json
 import mmap
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from infer8.attention.kv_cache import KVCacheSpec, _zeros, allocate_kv_cache
 from infer8.host_memory import HostMemory
-from infer8.worker.kv_populate import populate_in_background, populate_kv_cache
+from infer8.worker.kv_populate import StepGate, populate_in_background, populate_kv_cache
 
 # A fresh interpreter (mallopt is process-wide): is a 64 MB tensor inside the process heap
 # ([heap] in /proc/self/maps, where freed blocks are kept for reuse) or a mapping of its own
@@ -120,6 +121,30 @@ def test_populate_maps_the_whole_cache_and_keeps_what_it_holds(
     assert not caches[0].k.float().any() and not caches[2].v.float().any()
     if caches[0].k_scale is not None:
         assert caches[0].k_scale.float().sum() == 0.25 and not caches[0].v_scale.float().any()
+
+
+def test_background_populate_waits_while_steps_run() -> None:
+    """While a step runs (however long) and until the gate's idle time after the last one, the
+    thread faults nothing in; once the steps stop it maps the whole cache."""
+    cpu = torch.device("cpu")
+    caches = allocate_kv_cache(KVCacheSpec(2, 2, 64, 16, torch.bfloat16), 1000, cpu)
+    tensors = [t for c in caches for t in (c.k, c.v)]
+    gate = StepGate(idle_s=0.2)
+    with gate.step():  # one long step: longer than the idle time
+        thread = populate_in_background(caches, gate)
+        assert thread is not None
+        time.sleep(0.5)
+    until = time.monotonic() + 0.5
+    while time.monotonic() < until:  # then short steps 20 ms apart
+        with gate.step():
+            time.sleep(0.01)
+        time.sleep(0.02)
+    assert thread.is_alive()
+    assert sum(_resident_pages(t) for t in tensors) == 0
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    for t in tensors:
+        assert _resident_pages(t) == -(-t.numel() * t.element_size() // mmap.PAGESIZE)
 
 
 _EXIT_WHILE_POPULATING = """
