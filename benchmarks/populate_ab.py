@@ -72,7 +72,7 @@ def main() -> int:
         return 0
     modes = args.modes.split(",")
     for rnd in range(args.rounds):
-        for mode in modes[rnd % len(modes):] + modes[: rnd % len(modes)]:
+        for mode in modes[rnd % len(modes) :] + modes[: rnd % len(modes)]:
             cmd = [sys.executable, __file__, "--one", mode,
                    "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, check=True)

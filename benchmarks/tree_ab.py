@@ -31,20 +31,46 @@ MODEL_DIR = Path.home() / ".cache" / "infer8" / "models" / "SmolLM2-135M-Instruc
 def infer8_command(tree: Path, args, workload: str, json_path: str) -> list[str]:
     n, inp, out = WORKLOADS[workload]
     module = "infer8.cli" if (tree / "infer8" / "cli.py").exists() else "infer8.entrypoints.cli"
-    return [sys.executable, "-m", module, "bench", "throughput", "--dtype", args.dtype,
-            "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--disable-tqdm",
-            "--num-requests", str(n), "--input-len", str(inp), "--output-len", str(out), "--json", json_path]
+    return [
+        sys.executable,
+        "-m",
+        module,
+        "bench",
+        "throughput",
+        "--dtype",
+        args.dtype,
+        "--kv-cache-memory-bytes",
+        str(args.kv_cache_memory_bytes),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--disable-tqdm",
+        "--num-requests",
+        str(n),
+        "--input-len",
+        str(inp),
+        "--output-len",
+        str(out),
+        "--json",
+        json_path,
+    ]
 
 
 def run_infer8(tree: Path, args, workload: str) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.json")
         env = dict(os.environ, PYTHONPATH=str(tree))
-        done = subprocess.run(infer8_command(tree, args, workload, path), cwd=tree, env=env,
-                              capture_output=True, text=True, timeout=args.timeout)
+        done = subprocess.run(
+            infer8_command(tree, args, workload, path),
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
         if done.returncode != 0:
-            raise RuntimeError(f"{tree} {workload} exited {done.returncode}:\n{done.stderr[-2000:]}")
+            raise RuntimeError(
+                f"{tree} {workload} exited {done.returncode}:\n{done.stderr[-2000:]}"
+            )
         with open(path) as f:
             data = json.load(f)
     return float(data.get("result", data)["output_tokens_per_s"])
@@ -52,14 +78,34 @@ def run_infer8(tree: Path, args, workload: str) -> float:
 
 def run_vllm(args, workload: str) -> float:
     n, inp, out = WORKLOADS[workload]
-    cmd = ["bash", str(YARDSTICK), args.vllm_dir, "vllm", "bench", "throughput", "--model", str(args.model_dir),
-           "--dataset-name", "random", "--num-prompts", str(n), "--random-input-len", str(inp),
-           "--random-output-len", str(out), "--dtype", args.dtype,
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    cmd = [
+        "bash",
+        str(YARDSTICK),
+        args.vllm_dir,
+        "vllm",
+        "bench",
+        "throughput",
+        "--model",
+        str(args.model_dir),
+        "--dataset-name",
+        "random",
+        "--num-prompts",
+        str(n),
+        "--random-input-len",
+        str(inp),
+        "--random-output-len",
+        str(out),
+        "--dtype",
+        args.dtype,
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     found = re.search(r"Throughput: .*?([\d.]+) output tokens/s", done.stdout + done.stderr)
     if done.returncode != 0 or found is None:
-        raise RuntimeError(f"vllm {workload} exited {done.returncode}:\n{(done.stdout + done.stderr)[-2000:]}")
+        raise RuntimeError(
+            f"vllm {workload} exited {done.returncode}:\n{(done.stdout + done.stderr)[-2000:]}"
+        )
     return float(found.group(1))
 
 
@@ -68,14 +114,20 @@ def ratios(runs: dict, a: str, b: str) -> list[float]:
 
 
 def summary(report: dict) -> dict:
-    pairs = [("head", "base")] + ([("head", "vllm"), ("base", "vllm")] if report["engines"][-1] == "vllm" else [])
+    pairs = [("head", "base")] + (
+        [("head", "vllm"), ("base", "vllm")] if report["engines"][-1] == "vllm" else []
+    )
     out = {}
     for workload, runs in report["output_tokens_per_s"].items():
         for a, b in pairs:
             r = ratios(runs, a, b)
             if r:
-                out[f"{workload} {a}/{b}"] = {"median": round(statistics.median(r), 3),
-                                              "min": round(min(r), 3), "max": round(max(r), 3), "rounds": len(r)}
+                out[f"{workload} {a}/{b}"] = {
+                    "median": round(statistics.median(r), 3),
+                    "min": round(min(r), 3),
+                    "max": round(max(r), 3),
+                    "rounds": len(r),
+                }
     return out
 
 
@@ -87,31 +139,50 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--vllm-dir", default=None, help="where vllm-cpu-yardstick.sh installed vLLM (optional)")
-    p.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="the model directory vLLM loads")
+    p.add_argument(
+        "--vllm-dir", default=None, help="where vllm-cpu-yardstick.sh installed vLLM (optional)"
+    )
+    p.add_argument(
+        "--model-dir", type=Path, default=MODEL_DIR, help="the model directory vLLM loads"
+    )
     p.add_argument("--timeout", type=int, default=1200)
     p.add_argument("--json", default="tree_ab.json")
     args = p.parse_args(argv)
     engines = ["head", "base"] + (["vllm"] if args.vllm_dir else [])
     trees = {"head": HERE, "base": args.base.resolve()}
-    commits = {name: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=t, capture_output=True,
-                                    text=True).stdout.strip() for name, t in trees.items()}
+    commits = {
+        name: subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=t, capture_output=True, text=True
+        ).stdout.strip()
+        for name, t in trees.items()
+    }
     workloads = args.workloads.split(",")
-    report = {"commits": commits, "engines": engines, "dtype": args.dtype, "order": [],
-              "workloads": {w: "%d x %d / %d" % WORKLOADS[w] for w in workloads},
-              "output_tokens_per_s": {w: {e: [] for e in engines} for w in workloads}}
+    report = {
+        "commits": commits,
+        "engines": engines,
+        "dtype": args.dtype,
+        "order": [],
+        "workloads": {w: "{} x {} / {}".format(*WORKLOADS[w]) for w in workloads},
+        "output_tokens_per_s": {w: {e: [] for e in engines} for w in workloads},
+    }
     for rnd in range(args.rounds):
-        order = engines[rnd % len(engines):] + engines[:rnd % len(engines)]
+        order = engines[rnd % len(engines) :] + engines[: rnd % len(engines)]
         for workload in workloads:
             for engine in order:
-                tps = run_vllm(args, workload) if engine == "vllm" else run_infer8(trees[engine], args, workload)
+                tps = (
+                    run_vllm(args, workload)
+                    if engine == "vllm"
+                    else run_infer8(trees[engine], args, workload)
+                )
                 report["output_tokens_per_s"][workload][engine].append(round(tps, 2))
                 report["order"].append(f"{rnd + 1} {workload} {engine}")
                 report["summary"] = summary(report)
                 Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
                 print(f"round {rnd + 1} {workload} {engine}: {tps:.1f} output tok/s", flush=True)
     for key, value in report["summary"].items():
-        print(f"{key}: median {value['median']} ({value['min']}-{value['max']}, {value['rounds']} rounds)")
+        print(
+            f"{key}: median {value['median']} ({value['min']}-{value['max']}, {value['rounds']} rounds)"
+        )
     return 0
 
 
