@@ -34,7 +34,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH
 
 # A C compiler at run time: Triton builds its CUDA launcher with it (against Python.h) on first
-# use, and the CPU kernels (infer8/attention/cpu/csrc) is built with it; without one the GPU path
+# use, and the CPU kernels (src/infer8/attention/cpu/csrc) is built with it; without one the GPU path
 # fails on the first request and the CPU path falls back to slower torch code.
 RUN set -eux; \
     apt-get update; \
@@ -50,7 +50,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
 
 COPY pyproject.toml README.md /tmp/infer8-src/
 COPY scripts/constraints.txt /tmp/infer8-src/scripts/constraints.txt
-COPY infer8 /tmp/infer8-src/infer8
+COPY src/infer8 /tmp/infer8-src/src/infer8
 RUN pip install -c /tmp/infer8-src/scripts/constraints.txt /tmp/infer8-src && rm -rf /tmp/infer8-src
 
 RUN set -eux; \

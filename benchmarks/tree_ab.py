@@ -28,9 +28,15 @@ YARDSTICK = HERE.parent / "shared" / "tools" / "vllm-cpu-yardstick.sh"
 MODEL_DIR = Path.home() / ".cache" / "infer8" / "models" / "SmolLM2-135M-Instruct"
 
 
+def source_root(tree: Path) -> Path:
+    """Return the folder that holds a tree's infer8 package (src/ layout, or the tree itself)."""
+    return tree / "src" if (tree / "src" / "infer8").is_dir() else tree
+
+
 def infer8_command(tree: Path, args, workload: str, json_path: str) -> list[str]:
     n, inp, out = WORKLOADS[workload]
-    module = "infer8.cli" if (tree / "infer8" / "cli.py").exists() else "infer8.entrypoints.cli"
+    package = source_root(tree) / "infer8"
+    module = "infer8.cli" if (package / "cli.py").exists() else "infer8.entrypoints.cli"
     return [
         sys.executable,
         "-m",
@@ -58,7 +64,7 @@ def infer8_command(tree: Path, args, workload: str, json_path: str) -> list[str]
 def run_infer8(tree: Path, args, workload: str) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.json")
-        env = dict(os.environ, PYTHONPATH=str(tree))
+        env = dict(os.environ, PYTHONPATH=str(source_root(tree)))
         done = subprocess.run(
             infer8_command(tree, args, workload, path),
             cwd=tree,

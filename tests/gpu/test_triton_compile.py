@@ -37,7 +37,7 @@ def test_every_kernel_compiles_to_a_cubin(arch: int, kernels: set[str], tmp_path
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     # the script's own folder heads sys.path: name this checkout, not an installed infer8
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--arch", str(arch), "--configs", "ci"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,

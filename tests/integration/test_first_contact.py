@@ -193,3 +193,14 @@ def test_kv_budget_is_sized_to_need_and_reported(
     out = capsys.readouterr().out
     assert "what --max-num-seqs x max-model-len can fill" in out
     assert "room for 256 tokens = 2.00 requests of 128 tokens (the longest allowed)" in out
+
+
+def test_a_checkout_named_infer8_does_not_shadow_the_installed_package(tmp_path: Path) -> None:
+    """Python started beside a checkout named `infer8` still imports the package (src/ layout)."""
+    (tmp_path / "infer8").symlink_to(ROOT, target_is_directory=True)
+    run = subprocess.run(
+        [sys.executable, "-c", "from infer8 import LLM, SamplingParams; print(LLM.__module__)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "infer8.entrypoints.llm"

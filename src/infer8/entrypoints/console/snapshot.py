@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,7 +37,10 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
     spec, cache = engine.kv_spec, engine.cache_config
     capacity_tokens = engine.num_blocks * cache.block_size
     memory_bytes = engine.num_blocks * spec.bytes_per_block
-    bf16_spec = dataclasses.replace(spec, dtype=torch.bfloat16)
+    # a plain bf16 cache of the same shape: FP8's tail, sinks and rotation do not apply to it
+    bf16_spec = dataclasses.replace(
+        spec, dtype=torch.bfloat16, exact_tail_tokens=0, exact_sink_tokens=0, hadamard=False
+    )
     model = engine.model_config
     return {
         "model": model.served_model_name or model.model,
@@ -214,8 +218,24 @@ def histogram_quantile(
     return lower
 
 
+def sample_quantiles(values: Sequence[float]) -> list[float | None]:
+    """Return the QUANTILES of samples, interpolated between order statistics (None if empty).
+
+    Order-preserving: when each request's TTFT is at most its end-to-end latency, each quantile
+    of the TTFTs is at most the same quantile of the latencies.
+    """
+    if not values:
+        return [None] * len(QUANTILES)
+    return [float(v) for v in np.quantile(np.asarray(values, dtype=np.float64), QUANTILES)]
+
+
 def metric_figures(registry: CollectorRegistry) -> dict[str, Any]:
-    """Return the view's figures from the server's Prometheus registry (what /metrics says)."""
+    """Return the view's figures from the server's Prometheus registry (what /metrics says).
+
+    TTFT and end-to-end percentiles are not among them: /metrics observes TTFT at the first token
+    and end-to-end latency at the finish, so its two histograms hold different requests. The
+    recorder computes both over the same finished requests (RequestLatencies).
+    """
     buckets: dict[str, list[tuple[float, float]]] = {}
     values: dict[str, float] = {}
     finished: dict[str, float] = {}
@@ -238,9 +258,7 @@ def metric_figures(registry: CollectorRegistry) -> dict[str, Any]:
     hits = values.get("vllm:prefix_cache_hits_total", 0.0)
     return {
         "quantiles": list(QUANTILES),
-        "ttft_s": quantiles("vllm:time_to_first_token_seconds"),
         "tpot_s": quantiles("vllm:inter_token_latency_seconds"),
-        "e2e_s": quantiles("vllm:e2e_request_latency_seconds"),
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else None,
