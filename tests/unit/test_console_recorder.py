@@ -20,7 +20,7 @@ from infer8.config import CacheConfig
 from infer8.core.kv_cache_manager import KVCacheManager
 from infer8.core.sched_output import SchedulerStats
 from infer8.entrypoints.console import StepRecorder, add_console_routes
-from infer8.entrypoints.console.recorder import MAX_QUEUED_RECORDS
+from infer8.entrypoints.console.recorder import MAX_QUEUED_RECORDS, RequestLatencies
 from infer8.entrypoints.console.snapshot import (
     CELL_CACHED,
     CELL_FIRST_OWNER,
@@ -30,6 +30,7 @@ from infer8.entrypoints.console.snapshot import (
     aggregate_cells,
     histogram_quantile,
     metric_figures,
+    sample_quantiles,
     served_defaults,
 )
 from infer8.metrics import EngineMetrics
@@ -429,17 +430,137 @@ def test_histogram_quantile_interpolates_like_prometheus() -> None:
 
 def test_metric_figures_read_the_server_registry() -> None:
     metrics = EngineMetrics("m", CacheConfig(), 16, CollectorRegistry())
-    for ttft_s in (0.05, 0.05, 0.3, 0.3):
-        metrics.on_first_token(ttft_s, 10)
+    for itl_s in (0.02, 0.02, 0.3, 0.3):
+        metrics.on_next_tokens(itl_s)
+    metrics.on_first_token(0.5, 10)
     metrics.prefix_cache_queries.inc(100)
     metrics.prefix_cache_hits.inc(25)
     metrics.on_finished("stop", 1.0)
     figures = metric_figures(metrics.registry)
-    bounds = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5]
-    expected = histogram_quantile(0.5, bounds, [0, 0, 0, 0, 0, 2, 2, 2, 2, 4])
-    assert figures["ttft_s"][0] == pytest.approx(expected)
+    bounds = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3]
+    expected = histogram_quantile(0.5, bounds, [0, 2, 2, 2, 2, 2, 2, 4])
+    assert figures["tpot_s"][0] == pytest.approx(expected)
     assert figures["prefix_cache_hit_rate"] == 0.25
     assert figures["finished"]["stop"] == 1.0
+    # TTFT and end to end come from the recorder, over the same finished requests.
+    assert "ttft_s" not in figures and "e2e_s" not in figures
+
+
+def _arrive(engine: FakeEngine, req_id: str, arrival_time_s: float) -> Request:
+    """Queue a request (no blocks: the latency figures read only its times and tokens)."""
+    request = Request(req_id, [1, 2, 3], SamplingParams(max_tokens=8), [0], arrival_time_s)
+    engine.scheduler.requests[req_id] = request
+    return request
+
+
+def _run_step(
+    requests: dict[str, Request], scheduled: list[str], finished: list[str]
+) -> SchedulerStats:
+    """Apply one step to `requests`: each scheduled request gets a token, `finished` leave.
+
+    A scheduled request without a token yet is admitted (its prompt fits one step).
+    """
+    admitted = [r for r in scheduled if not requests[r].output_token_ids]
+    for req_id in scheduled:
+        requests[req_id].append_output_token(7)
+    for req_id in finished:
+        del requests[req_id]
+    return SchedulerStats(
+        num_running=len(requests),
+        num_scheduled_tokens=len(scheduled),
+        scheduled_req_ids=scheduled,
+        admitted_req_ids=admitted,
+        finished_req_ids=finished,
+    )
+
+
+def test_ttft_and_end_to_end_percentiles_cover_the_same_finished_requests() -> None:
+    """Two requests finished fast, five queued long and still decoding: /metrics' TTFT
+    histogram holds all seven (p50 in the 5-7.5 s bucket), its end-to-end one the two (3.75 s),
+    which showed a TTFT p50 above the end-to-end p50. Over the same requests it cannot be."""
+
+    async def run() -> None:
+        engine, clock = FakeEngine(), Clock()
+        metrics = EngineMetrics("m", CacheConfig(), NUM_BLOCKS, CollectorRegistry())
+        recorder = StepRecorder(engine, metrics, clock=clock)  # type: ignore[arg-type]
+        requests = engine.scheduler.requests
+        stream, _ = await _open(recorder)
+        ids = ["a", "b", "c", "d", "e", "f", "g"]
+        for req_id in ids:
+            _arrive(engine, req_id, arrival_time_s=100.0)
+        clock.now_s = 100.5  # a and b get their first token; the rest wait
+        recorder.on_step(_run_step(requests, ["a", "b"], []))
+        for _ in "ab":
+            metrics.on_first_token(0.5, 3)  # what the async engine observes
+        clock.now_s = 103.7  # a and b finish
+        recorder.on_step(_run_step(requests, ["a", "b"], ["a", "b"]))
+        for _ in "ab":
+            metrics.on_finished("stop", 3.7)
+        clock.now_s = 105.7  # the other five get their first token and keep decoding
+        recorder.on_step(_run_step(requests, ids[2:], []))
+        for _ in ids[2:]:
+            metrics.on_first_token(5.7, 3)
+        name, figures = _parse(await stream.__anext__())
+        assert name == "metrics"
+        assert all(t <= e for t, e in zip(figures["ttft_s"], figures["e2e_s"], strict=True))
+        assert figures["latency_requests"] == 2
+        assert figures["ttft_s"] == pytest.approx([0.5, 0.5, 0.5])
+        assert figures["e2e_s"] == pytest.approx([3.7, 3.7, 3.7])
+        await stream.aclose()
+
+    asyncio.run(run())
+
+
+def test_latency_percentiles_never_put_ttft_above_end_to_end() -> None:
+    rng = np.random.default_rng(0)
+    engine, latencies = FakeEngine(), RequestLatencies()
+    requests = engine.scheduler.requests
+    truth: list[tuple[float, float]] = []
+    first_token_s: dict[str, float] = {}
+    now_s = 0.0
+    for i in range(400):  # a step each; requests arrive, get a first token, decode, finish
+        now_s += float(rng.uniform(0.01, 0.5))
+        for _ in range(int(rng.integers(0, 3))):
+            _arrive(engine, f"r{i}-{len(requests)}", now_s - float(rng.uniform(0, 0.01)))
+        scheduled = [r for r in requests if rng.random() < 0.7]
+        finished = [r for r in scheduled if requests[r].output_token_ids and rng.random() < 0.1]
+        for req_id in scheduled:
+            first_token_s.setdefault(req_id, now_s)
+        for req_id in finished:
+            arrival_s = requests[req_id].arrival_time_s
+            truth.append((first_token_s[req_id] - arrival_s, now_s - arrival_s))
+        latencies.on_step(requests, _run_step(requests, scheduled, finished), now_s)
+    figures = latencies.figures()
+    assert figures["latency_requests"] == len(truth) > 50
+    assert figures["ttft_s"] == pytest.approx(sample_quantiles([t for t, _ in truth]))
+    assert figures["e2e_s"] == pytest.approx(sample_quantiles([e for _, e in truth]))
+    assert all(t <= e for t, e in zip(figures["ttft_s"], figures["e2e_s"], strict=True))
+
+
+def test_latencies_count_only_requests_whose_first_token_the_view_saw() -> None:
+    engine, latencies = FakeEngine(), RequestLatencies()
+    requests = engine.scheduler.requests
+    _arrive(engine, "decoding", 0.0).append_output_token(7)  # a token before watching began
+    _arrive(engine, "waiting", 1.0)
+    _arrive(engine, "aborted", 2.0)
+    _arrive(engine, "admitted", 2.5)
+    # The first step watched: "admitted" gets its first token in it, "decoding" its second.
+    latencies.on_step(requests, _run_step(requests, ["admitted", "decoding"], []), 3.0)
+    latencies.on_step(requests, _run_step(requests, ["waiting", "decoding"], ["decoding"]), 4.0)
+    latencies.on_step(requests, _run_step(requests, [], ["aborted"]), 5.0)  # without a token
+    assert latencies.figures()["latency_requests"] == 0
+    latencies.on_step(requests, _run_step(requests, ["waiting"], ["waiting"]), 6.0)
+    latencies.on_step(requests, _run_step(requests, ["admitted"], ["admitted"]), 7.0)
+    assert latencies.figures() == {
+        "ttft_s": pytest.approx([1.75, 2.75, 2.975]),  # of 0.5 and 3.0 s
+        "e2e_s": pytest.approx([4.75, 4.95, 4.995]),  # of 4.5 and 5.0 s
+        "latency_requests": 2,
+    }
+    latencies.restart()  # watching again: requests in flight with a token are not counted
+    _arrive(engine, "late", 8.0).append_output_token(7)
+    latencies.on_step(requests, _run_step(requests, ["late"], ["late"]), 9.0)
+    assert latencies.figures()["latency_requests"] == 2
+    assert sample_quantiles([]) == [None, None, None]
 
 
 def test_close_ends_every_open_stream_so_shutdown_need_not_wait() -> None:

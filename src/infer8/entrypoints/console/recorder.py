@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ from infer8.entrypoints.console.rates import StepSample, StepWindow, idle_rates
 if TYPE_CHECKING:
     from infer8.engine import LLMEngine
     from infer8.metrics import EngineMetrics
+    from infer8.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ MIN_RECORD_INTERVAL_S = 0.1
 SLOW_FIGURES_INTERVAL_S = 1.0
 # A viewer that falls this many records behind loses the oldest ones (bounded memory).
 MAX_QUEUED_RECORDS = 64
+# The view's TTFT and end-to-end percentiles cover at most this many of the latest finished requests.
+MAX_LATENCY_SAMPLES = 1000
 
 
 def sse_event(event: str, data: dict[str, Any]) -> str:
@@ -46,6 +49,90 @@ class _Totals:
     num_preemptions: int = 0
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+
+
+class RequestLatencies:
+    """Owns the latencies of the latest finished requests and the times of those in flight.
+
+    Fed on the engine thread while the view is watched. TTFT and end-to-end percentiles are
+    taken over the same finished requests, so each request's TTFT is at most its end-to-end
+    latency and so is every percentile's (/metrics' histograms cannot give that: TTFT is
+    observed at the first token, running requests included, end-to-end latency at the finish,
+    into other buckets). Not counted: requests that got their first token before watching
+    began, finished without a token (aborts), or finished in the step that first scheduled
+    them (their arrival is never seen).
+    """
+
+    def __init__(self, max_samples: int = MAX_LATENCY_SAMPLES) -> None:
+        # (arrival, first token or None) per request in flight; None: not counted. The whole
+        # map is None until the first step watched: the steps before it were not seen.
+        self._req_id_to_times: dict[str, tuple[float, float | None] | None] | None = None
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (ttft, e2e)
+        self._lock = threading.Lock()  # appended on the engine thread, read on the event loop
+
+    def restart(self) -> None:
+        """Forget the requests in flight (watching starts again); the next step sorts them."""
+        self._req_id_to_times = None
+
+    def _requests_in_flight(
+        self, requests: Mapping[str, Request], stats: SchedulerStats, now_s: float
+    ) -> dict[str, tuple[float, float | None] | None]:
+        """Return the times of the requests in flight at the first step watched."""
+        admitted = set(stats.admitted_req_ids)
+        times: dict[str, tuple[float, float | None] | None] = {}
+        for req_id, request in list(requests.items()):
+            if not request.output_token_ids:
+                times[req_id] = (request.arrival_time_s, None)
+            elif req_id in admitted and not request.num_preemptions:  # its first token is now
+                times[req_id] = (request.arrival_time_s, now_s)
+            else:
+                times[req_id] = None  # its first token came before watching began
+        return times
+
+    def on_step(self, requests: Mapping[str, Request], stats: SchedulerStats, now_s: float) -> None:
+        """Note first tokens of the step's requests; record the ones it finished."""
+        times = self._req_id_to_times
+        if times is None:
+            times = self._req_id_to_times = self._requests_in_flight(requests, stats, now_s)
+        for req_id in stats.scheduled_req_ids:
+            request = requests.get(req_id)
+            if request is None:  # finished in this step: below
+                continue
+            if req_id not in times:  # scheduled for the first time: any token is this step's
+                times[req_id] = (
+                    request.arrival_time_s,
+                    now_s if request.output_token_ids else None,
+                )
+                continue
+            entry = times[req_id]
+            if entry is not None and entry[1] is None and request.output_token_ids:
+                times[req_id] = (entry[0], now_s)
+        scheduled = set(stats.scheduled_req_ids) if stats.finished_req_ids else set()
+        for req_id in stats.finished_req_ids:
+            entry = times.pop(req_id, None)
+            if entry is None:
+                continue
+            arrival_s, first_token_s = entry
+            if first_token_s is None:
+                if req_id not in scheduled:
+                    continue  # finished without a token
+                first_token_s = now_s  # its first token was its last
+            with self._lock:
+                self._samples.append((first_token_s - arrival_s, now_s - arrival_s))
+        if not stats.num_running and not stats.num_waiting:
+            times.clear()  # nothing is in flight: forget requests that left unseen (aborts)
+        elif len(times) > 2 * len(requests) + 64:  # bounded under aborts without an idle step
+            self._req_id_to_times = {r: e for r, e in times.items() if r in requests}
+
+    def figures(self) -> dict[str, Any]:
+        """Return TTFT and end-to-end percentiles over the same finished requests, and their count."""
+        with self._lock:
+            samples = list(self._samples)
+        return {
+            "ttft_s": snapshot.sample_quantiles([ttft_s for ttft_s, _ in samples]),
+            "e2e_s": snapshot.sample_quantiles([e2e_s for _, e2e_s in samples]),
+            "latency_requests": len(samples),
+        }
 
 
 class _Viewer:
@@ -92,6 +179,7 @@ class StepRecorder:
         self._last_was_idle = True
         self._num_records = 0
         self._slots = snapshot.OwnerSlots()
+        self._latencies = RequestLatencies()
         self._build_lock = threading.Lock()  # the engine thread and a joining viewer build records
         self._info: dict[str, Any] | None = None
         self._figures: tuple[float, str] | None = None  # (time, encoded event), shared by viewers
@@ -118,6 +206,7 @@ class StepRecorder:
         )
         with self._build_lock:  # a joining viewer's first record reads the window
             self._window.add(sample)
+        self._latencies.on_step(self.engine.scheduler.requests, stats, now_s)
         is_idle = not stats.num_running and not stats.num_waiting
         if not is_idle:
             self._last_was_idle = False  # until a record shows the idle state
@@ -138,6 +227,7 @@ class StepRecorder:
         if self._seen_epoch != self._epoch:
             self._seen_epoch = self._epoch
             self._totals = _Totals()
+            self._latencies.restart()
             with self._build_lock:
                 self._window.clear()
             self._last_was_idle = False
@@ -215,6 +305,7 @@ class StepRecorder:
         now_s = time.monotonic()
         if self._figures is None or now_s - self._figures[0] >= SLOW_FIGURES_INTERVAL_S:
             figures = snapshot.metric_figures(self.metrics.registry)
+            figures.update(self._latencies.figures())
             self._figures = (now_s, sse_event("metrics", figures))
         return self._figures[1]
 

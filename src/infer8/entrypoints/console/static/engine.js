@@ -132,6 +132,12 @@ function onMetrics(m) {
     const values = m[name + "_s"];
     values.forEach((v, i) => { $(name + "-" + i).textContent = infer8.formatSeconds(v); });
   });
+  // TTFT and end to end over the same finished requests (the server's), so TTFT never exceeds
+  // end to end; TPOT is /metrics' inter-token latency.
+  const source = $("ttft-0").closest(".panel").querySelector("h3 .aside");
+  source.textContent = "over " + infer8.formatNumber(m.latency_requests) + " finished · TPOT: /metrics";
+  source.title = "TTFT and end to end: the same requests, the latest that finished while the " +
+    "view was open (up to 1,000); TPOT: inter-token latency from /metrics";
   if (m.prefix_cache_hit_rate !== null) {
     $("stat-prefix").textContent = (100 * m.prefix_cache_hit_rate).toFixed(0) + "%";
     $("stat-prefix-sub").textContent = infer8.formatNumber(m.prefix_cache_hits) + " of " + infer8.formatNumber(m.prefix_cache_queries) + " tokens";
