@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -278,70 +276,80 @@ def test_sessions_at_slo_finds_the_largest_level_within_the_limits(
     assert loose["slo"]["turn_len"] == "uniform:4:10"  # spec strings, as the flags take them
 
 
-def test_serve_latencies_agree_with_the_official_openai_client(tmp_path: Path) -> None:
-    # An independent measurement: a plain loop over the openai client, streaming the same
-    # requests one at a time, timed the way vLLM's bench defines TTFT and TPOT. The model is
-    # large enough (~15 ms a token) that the clients' own per-chunk costs stay small.
+class _VirtualClock:
+    """A clock that moves only when a token chunk arrives, by a scripted step: two clients that
+    read the same stream on it see the same times, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+        self.num_chunks = 0
+
+    def perf_counter(self) -> float:
+        return self.now_s
+
+    def chunk_arrived(self) -> None:
+        # the first token after a prefill, then uneven gaps (averaging per token matters)
+        self.now_s += 0.25 if self.num_chunks == 0 else (0.01, 0.03, 0.02)[self.num_chunks % 3]
+        self.num_chunks += 1
+
+    def restart(self) -> None:
+        self.num_chunks = 0
+
+
+def test_serve_latencies_follow_the_official_openai_clients_definitions(
+    server: tuple[str, LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench serve's TTFT and TPOT against a plain loop over the openai client timed the way
+    vLLM's bench defines them, on the same streams and one virtual clock (exact agreement)."""
+    import types
+
     import openai
 
-    from tests.utils import build_tiny_model
+    from infer8.bench import serve as serve_module
 
-    model_dir = build_tiny_model(
-        tmp_path, "llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4,
-    )  # fmt: skip
-    engine = LLMEngine(
-        _tiny_args(model_dir, served_model_name=MODEL, kv_cache_memory_bytes=8 << 20)
+    url, engine = server
+    clock = _VirtualClock()
+    sse_data = serve_module._sse_data
+
+    async def timed_sse_data(response):  # type: ignore[no-untyped-def]
+        clock.restart()
+        async for data in sse_data(response):
+            if data != "[DONE]" and json.loads(data).get("choices"):
+                clock.chunk_arrived()
+            yield data
+
+    monkeypatch.setattr(serve_module, "_sse_data", timed_sse_data)
+    monkeypatch.setattr(
+        serve_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter)
     )
-    # 48 tokens a request: each TPOT averages twice the steps of 24, whose medians (~15 ms a
-    # token since the native decode layer) once drifted 13% apart between the two clients
-    requests = _requests(engine, 8, output_len="48")
-    with _serving(engine) as url:
-        config = ServeConfig(base_url=url, model=MODEL, max_concurrency=1, ignore_eos=True)
-        # TCP_NODELAY: httpx's sync transport writes a POST's headers and body separately and,
-        # without it, Nagle holds the body for the server's delayed ACK (+40 ms to every TTFT)
-        nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
-        http_client = httpx.Client(transport=httpx.HTTPTransport(socket_options=nodelay))
-        client = openai.OpenAI(
-            base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=http_client
-        )
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
 
-        def official(request: BenchRequest) -> tuple[float, float]:
-            start = time.perf_counter()
-            first = None
-            stream = client.completions.create(
-                model=MODEL, prompt=request.prompt, max_tokens=request.output_len,
-                temperature=0.0, stream=True, extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            for chunk in stream:
-                # vLLM's rule: the first chunk with a choice, even with empty text (a token
-                # that ends inside a UTF-8 character decodes to nothing yet)
-                if chunk.choices and first is None:
-                    first = time.perf_counter() - start
-            end = time.perf_counter() - start
-            assert first is not None
-            return first, (end - first) / (request.output_len - 1)
+    def official(request: BenchRequest) -> tuple[float, float]:
+        clock.restart()
+        start, first = clock.perf_counter(), None
+        stream = client.completions.create(
+            model=MODEL, prompt=request.prompt, max_tokens=request.output_len,
+            temperature=0.0, stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for chunk in stream:
+            if chunk.choices:
+                clock.chunk_arrived()
+            # vLLM's rule: the first chunk with a choice, even with empty text (a token that
+            # ends inside a UTF-8 character decodes to nothing yet)
+            if chunk.choices and first is None:
+                first = clock.perf_counter() - start
+        end = clock.perf_counter() - start
+        assert first is not None
+        return first, (end - first) / (request.output_len - 1)
 
-        official(requests[0])  # warm-up
-        ours, theirs = [], []
-        for request in requests:  # alternate, so both clients see the same machine
-            # the first request opens bench serve's connection (+~15 ms here); time the
-            # second, as the openai client's kept-alive connection is timed (both repeat the
-            # prompt, so both find it in the prefix cache: the same work for the server)
-            r = run_serve(config, [request, request], engine.tokenizer, use_tqdm=False)
-            assert r["completed"] == 2
-            ours.append((r["requests"][1]["ttft_s"], r["requests"][1]["tpot_s"]))
-            theirs.append(official(request))
-    # TTFT: 10% plus 10 ms for the openai client's own request building (pydantic, its httpx
-    # client) that falls inside its timer; TPOT: 10%, nothing client-side inside it.
-    # Compared pair by pair (the same request, one right after the other): this machine's
-    # step time drifts 13 -> 20 ms within the test, which moves two medians apart by itself.
-    for i, (name, slack_s) in enumerate((("TTFT", 0.010), ("TPOT", 0.0))):
-        gap = statistics.median(a[i] - b[i] for a, b in zip(ours, theirs))
-        b_median = statistics.median(b[i] for b in theirs)
-        assert abs(gap) <= 0.10 * b_median + slack_s, (
-            f"{name}: bench serve - openai client = {gap} (pairs {ours} / {theirs})"
-        )
+    config = ServeConfig(base_url=url, model=MODEL, max_concurrency=1, ignore_eos=True)
+    for request in _requests(engine, 4, output_len="12"):
+        r = run_serve(config, [request], engine.tokenizer, use_tqdm=False)
+        assert r["completed"] == 1
+        ours = (r["requests"][0]["ttft_s"], r["requests"][0]["tpot_s"])
+        theirs = official(request)
+        assert ours == pytest.approx(theirs, rel=1e-9), (ours, theirs)
+        assert ours[0] == pytest.approx(0.25)  # a token after the prefill, not the request
 
 
 @pytest.mark.slow
