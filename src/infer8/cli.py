@@ -16,7 +16,14 @@ from typing import Any
 
 from infer8.entrypoints.arg_parser import ArgumentParser
 from infer8.entrypoints.args import add_engine_args, engine_args_from
+from infer8.logging_setup import configure_logging
 from infer8.version import __version__
+
+DESCRIPTION = (
+    "Serve large language models at high density: continuous batching and an FP8 KV cache "
+    "behind an OpenAI-compatible server that takes vLLM's flags. `infer8 COMMAND --help` "
+    "for a command's flags."
+)
 
 
 def _cmd_pull(ns: argparse.Namespace) -> int:
@@ -145,7 +152,7 @@ def _add_eval_parsers(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with its subcommands."""
-    parser = ArgumentParser(prog="infer8", description=__doc__)
+    parser = ArgumentParser(prog="infer8", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"infer8 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     commands: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
@@ -183,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the infer8 command line."""
     parser = build_parser()
     ns = parser.parse_args(argv)
+    configure_logging()
     try:
         return ns.func(ns)
     except (ValueError, RuntimeError) as e:

@@ -34,8 +34,11 @@ from infer8.plan_presets import (
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     """Add the `infer8 plan` flags (engine flags named and defaulted as `infer8 serve` has them)."""
     parser.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="the model, as `infer8 serve MODEL` takes it"
+    )
+    parser.add_argument(
         "--model",
-        default="smollm2-135m",
+        default=None,
         help=f"a preset ({', '.join(MODEL_PRESETS)}; also as a Hugging Face id or plain name, "
         "e.g. Qwen/Qwen2-72B-Instruct, qwen2-72b) or a config.json / model directory "
         "(default: smollm2-135m)",
@@ -139,7 +142,9 @@ def _device_name(value: str) -> str:
 
 def plan_inputs_from(ns: argparse.Namespace) -> list[PlanInputs]:
     """Return one PlanInputs per combination of the multi-valued flags."""
-    model = load_model_shape(ns.model)
+    if ns.model_tag and ns.model and ns.model_tag != ns.model:
+        raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
+    model = load_model_shape(ns.model_tag or ns.model or "smollm2-135m")
     preset = DEVICE_PRESETS[ns.device]
     device = DeviceSpec(
         name=preset.name

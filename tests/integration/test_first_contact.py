@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,6 +85,14 @@ def test_readme_curl_and_the_openai_client(default_server: str) -> None:
     run = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=120)
     reply = json.loads(run.stdout)
     assert reply["model"] == DEFAULT_NAME and reply["choices"][0]["message"]["content"]
+
+    # the README's openai client snippet, as written but for the port
+    snippet = re.search(r"```python\n(from openai import OpenAI\n.*?)```", README, re.S)
+    assert snippet is not None, "README shows no openai client"
+    code = snippet.group(1).replace("localhost:8000", f"127.0.0.1:{port}")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Paris" in run.stdout
 
     client = openai.OpenAI(base_url=f"{default_server}/v1", api_key="none", max_retries=0)
     models = client.models.list().data
@@ -204,3 +215,45 @@ def test_a_checkout_named_infer8_does_not_shadow_the_installed_package(tmp_path:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "infer8.entrypoints.llm"
+
+
+class _Output:
+    """The server's merged output, read on a thread, so a test can wait for a line with a limit."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc, self.lines, self.queue = proc, [], queue.Queue()  # type: ignore[var-annotated]
+        threading.Thread(
+            target=lambda: [self.queue.put(x) for x in proc.stdout], daemon=True
+        ).start()  # type: ignore[union-attr]  # noqa: E501
+
+    def expect(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self.lines.append(line)
+            if match := re.search(pattern, line):
+                return match
+        raise AssertionError(f"no line matched {pattern!r} in:\n{''.join(self.lines)}")
+
+
+def test_serve_logs_where_it_listens_and_what_sigterm_waits_for(tiny_dir: Path) -> None:
+    proc = _serve([str(tiny_dir), "--host", "127.0.0.1", "--port", "0",
+                   "--shutdown-grace-period-s", "2"])  # fmt: skip
+    try:
+        output = _Output(proc)
+        match = output.expect(
+            r"^INFO \S+ \S+ \[[\w.]+\] Serving the OpenAI API at (http://127\.0\.0\.1:(\d+))/v1;"
+            r" chat console \1/, engine view \1/engine", 120,
+        )  # fmt: skip
+        url = match.group(1)
+        assert int(match.group(2)) > 0  # the port --port 0 got
+        wait_healthy(proc, url)
+        assert httpx.get(f"{url}/engine").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        output.expect(r"SIGTERM: draining: new requests get 503 for 2 s", 30)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        _stop(proc)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from infer8.cli import main
+from infer8.cli import main as cli_main
 from infer8.entrypoints.args import CHOICES
 from infer8.plan import PlanInputs, estimate_activation_bytes, plan_capacity
 from infer8.plan_claims import evaluate_claim
@@ -347,3 +348,15 @@ def test_verdict_on_h100_fits_fp8_weights_on_fewer_devices(
     _, out = run_cli(capsys, "--model", "qwen2-72b", "--device", "h100", "--json")
     ways = [(w["weight_dtype"], w["tensor_parallel_size"]) for w in json.loads(out)["ways_to_fit"]]
     assert ways == [("bf16", 4), ("fp8", 2)]
+
+
+def test_plan_takes_the_model_positionally_as_serve_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = cli_main(["plan", "Qwen/Qwen2-72B-Instruct", "--device", "H200"])
+    positional = capsys.readouterr().out
+    assert positional.startswith("qwen2-72b-instruct (72.71 B params) on h200-141gb")
+    assert cli_main(["plan", "--model", "Qwen/Qwen2-72B-Instruct", "--device", "H200"]) == code
+    assert capsys.readouterr().out == positional
+    assert cli_main(["plan", "qwen2-72b", "--model", "smollm2-135m"]) == 2
+    assert "two models given" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -197,3 +198,29 @@ def test_help_still_prints_the_usage(capsys: pytest.CaptureFixture[str]) -> None
         cli.main(["serve", "--help"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("usage: infer8 serve")
+
+
+def test_a_model_directory_after_api_key_is_refused_not_taken_as_a_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`serve --api-key K1 <model-dir>`: nargs takes the directory as a second key."""
+    assert cli.main(["serve", "--api-key", "K1", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "an existing path: give the model first" in err and len(err.splitlines()) == 1
+    # two real keys still work, and the model first
+    _, server = serve_args_from(cli.build_parser().parse_args(
+        ["serve", str(tmp_path), "--api-key", "K1", "K2"]
+    ))  # fmt: skip
+    assert server.api_keys() == ["K1", "K2"]
+
+
+def test_top_level_help_describes_the_product_and_its_commands(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "OpenAI-compatible server" in out and "imports" not in out
+    for command in ("serve", "pull", "plan", "bench", "demo"):
+        assert f"    {command}" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 from types import FrameType
 from typing import Any
@@ -20,6 +21,7 @@ from infer8.entrypoints.openai.http_server import DrainingServer, make_config
 from infer8.entrypoints.openai.server import create_app
 from infer8.entrypoints.preflight import check_port, preflight
 from infer8.executor.launch import launched_env, run_launched_worker
+from infer8.logging_setup import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,19 @@ def _drain(app: Any, abort_after_s: float) -> None:
     """Refuse new work, abort what still runs after abort_after_s, end the console's streams."""
     app.state.engine_client.start_drain(abort_after_s)
     app.state.console_recorder.close()
+
+
+def listen_urls(sock: socket.socket, has_api_key: bool) -> str:
+    """Return the line that says where the server listens: the API, the console, the view."""
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    base = f"http://{shown}:{port}"
+    key = " (with --api-key: the pages ask for the key)" if has_api_key else ""
+    everywhere = " on every address of this host" if host in ("0.0.0.0", "::") else ""
+    return (
+        f"Serving the OpenAI API at {base}/v1{everywhere}; chat console {base}/, "
+        f"engine view {base}/engine{key}"
+    )
 
 
 def run_server(engine_args: EngineArgs, server_config: ServerConfig) -> int:
@@ -81,6 +96,7 @@ def run_server(engine_args: EngineArgs, server_config: ServerConfig) -> int:
     # a no-op so a drained shutdown exits 0 instead of dying by the signal.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _note_signal)
+    logger.info("%s", listen_urls(sock, bool(server_config.api_keys())))
     server.run(sockets=[sock])
     if fatal_reasons:
         print(f"infer8: error: {fatal_reasons[0]}", file=sys.stderr, flush=True)
@@ -92,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse vLLM-style flags (exit 2 before loading anything if bad) and serve."""
     parser = make_serve_parser(prog="python -m infer8.entrypoints.openai.api_server")
     ns = parser.parse_args(argv)
+    configure_logging()
     engine_args, server_config = serve_args_from(ns)
     print_compat_warnings(ns)
     try:

@@ -225,6 +225,12 @@ def serve_args_from(ns: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
     for name in ("shutdown_grace_period_s", "timeout_request_header_s", "timeout_keep_alive_s"):
         values[name] = float(values[name])
     if isinstance(values["api_key"], list):
+        for key in values["api_key"][1:]:
+            if os.path.exists(key):  # `serve --api-key K <model-dir>`: the model taken as a key
+                raise ValueError(
+                    f"--api-key got {key!r}, an existing path: give the model first "
+                    f"(`infer8 serve {key} --api-key KEY`) or end the keys with `--`"
+                )
         values["api_key"] = (
             values["api_key"][0] if len(values["api_key"]) == 1 else tuple(values["api_key"])
         )

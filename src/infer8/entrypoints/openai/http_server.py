@@ -118,6 +118,15 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             return
         self.is_draining = True
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else sig
+        if sig == signal.SIGINT:
+            logger.info("%s: stopping once the requests in flight end (another signal: now)", name)
+        else:
+            logger.info(
+                "%s: draining: new requests get 503 for %.0f s (--shutdown-grace-period-s) so "
+                "load balancers see this server leave; requests in flight run until then "
+                "(another signal: stop now)", name, self.grace_s,
+            )  # fmt: skip
         self.on_drain(max(0.0, self.grace_s - 1.0))
         try:
             loop = asyncio.get_running_loop()
