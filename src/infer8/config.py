@@ -7,22 +7,22 @@ import dataclasses
 import enum
 import json
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from infer8.attention import tail_kernels_available
-from infer8.attention.exact_tail import resolve_exact_tail
-
+# torch is imported where a value is resolved, not here: the command line's flags come from
+# this module, and `infer8 serve --help` should not wait for torch.
 _DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
 }
 
 
@@ -58,6 +58,8 @@ class KVCacheDType(str, enum.Enum):
 
     def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """Return the storage dtype; auto follows the model's compute dtype."""
+        import torch
+
         return {
             KVCacheDType.AUTO: model_dtype,
             KVCacheDType.BFLOAT16: torch.bfloat16,
@@ -70,6 +72,8 @@ class KVCacheDType(str, enum.Enum):
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype | None:
     """Parse a --dtype value; None means auto."""
+    import torch
+
     if isinstance(value, torch.dtype):
         return value
     if value == "auto":
@@ -78,7 +82,7 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype | None:
         raise ValueError(
             f"unknown dtype {value!r}; choose one of: auto, bfloat16, float16, float32"
         )
-    return _DTYPES[value]
+    return getattr(torch, _DTYPES[value])
 
 
 def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
@@ -105,6 +109,8 @@ def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
 
 def default_dtype(device: torch.device, cpuinfo: str | None = None) -> torch.dtype:
     """Resolve dtype "auto": bf16 where it is fast, float32 on CPUs without bf16 units."""
+    import torch
+
     if device.type == "cpu" and not cpu_has_fast_bf16(cpuinfo):
         return torch.float32
     return torch.bfloat16
@@ -125,6 +131,8 @@ def cuda_max_num_batched_tokens(total_memory_bytes: int, device_name: str) -> in
 
 def default_max_num_batched_tokens(device: torch.device) -> int:
     """Resolve --max-num-batched-tokens "auto" for this device."""
+    import torch
+
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return cuda_max_num_batched_tokens(props.total_memory, props.name)
@@ -133,6 +141,8 @@ def default_max_num_batched_tokens(device: torch.device) -> int:
 
 def resolve_device(device: str) -> torch.device:
     """Resolve "auto" to cuda when present, else cpu."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -153,7 +163,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.device.type == "cpu" and self.dtype == torch.float16:
+        if self.device.type == "cpu" and str(self.dtype) == "torch.float16":
             raise ValueError(
                 "dtype float16 is not accelerated on CPU (~3 GFLOP/s); use bfloat16 or float32"
             )
@@ -391,14 +401,16 @@ class EngineArgs:
 
     def create_engine_config(self, model_path: str, hf_config: dict[str, Any]) -> EngineConfig:
         """Validate and resolve every auto once, for a model whose config.json is hf_config."""
+        from infer8.attention import tail_kernels_available
+        from infer8.attention.exact_tail import resolve_exact_tail
+
         model_config, cache_config, scheduler_config = self.create_configs(model_path)
         num_heads = hf_config["num_attention_heads"]
         head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads
-        kv_dtype = cache_config.kv_cache_dtype.torch_dtype(model_config.dtype)
         tail = resolve_exact_tail(
             cache_config.kv_cache_exact_tail_tokens,
             cache_config.kv_cache_hadamard,
-            is_fp8=kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
+            is_fp8=cache_config.kv_cache_dtype.is_fp8,
             kernels_read_tail=tail_kernels_available(model_config.device),
             has_static_scales=cache_config.kv_scale == "static",
             head_dim=head_dim,

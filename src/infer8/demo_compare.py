@@ -9,9 +9,7 @@ all when the machine is too busy for it to mean anything.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import os
 import random
 import time
@@ -23,6 +21,7 @@ import torch
 from infer8.attention.kv_cache import KVCacheSpec
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
+from infer8.logging_setup import only_warnings
 from infer8.quant.fp8 import kv_dtype_name
 from infer8.sampling_params import RequestOutputKind, SamplingParams
 
@@ -179,7 +178,7 @@ def _quiet_engine(args: EngineArgs, policy: str, kv: str, num_seats: int) -> LLM
         # a static batch never reuses a prefix, and every round repeats the prompts: off for all
         enable_prefix_caching=False,
     )
-    with contextlib.redirect_stdout(io.StringIO()):
+    with only_warnings():
         return LLMEngine(engine_args)
 
 

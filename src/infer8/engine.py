@@ -54,7 +54,7 @@ class LLMEngine:
         model_config = self.config.model_config
         cache_config, scheduler_config = self.config.cache_config, self.config.scheduler_config
         if args.dtype == "auto" and model_config.dtype == torch.float32:
-            print(
+            logger.info(
                 "dtype auto: float32 (this CPU has no bf16 units; bf16 would be emulated, "
                 "~70x slower)"
             )
@@ -72,8 +72,9 @@ class LLMEngine:
         SamplingParams(**self.default_sampling)  # refuse bad defaults at start-up
         if self.default_sampling:
             defaults = ", ".join(f"{k} {v}" for k, v in self.default_sampling.items())
-            print(
-                f"Sampling defaults (the generation config's) for requests that set none: {defaults}"
+            logger.info(
+                "Sampling defaults (the generation config's) for requests that set none: %s",
+                defaults,
             )
         self.vocab_size = int(hf_config["vocab_size"])  # valid token ids are below it
         # Grammars compile on first use (xgrammar loads lazily); rank 0's runner masks logits.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 DATE_FORMAT = "%m-%d %H:%M:%S"
@@ -12,7 +14,8 @@ DATE_FORMAT = "%m-%d %H:%M:%S"
 def configure_logging(level: int = logging.INFO) -> None:
     """Send infer8's loggers to stderr as `INFO 12-07 10:00:00 [infer8.x] message` lines.
 
-    Only the `infer8` logger is configured (a library user's root logger is left alone), once.
+    Only the `infer8` logger gets a handler (a library user's root logger is left alone), once;
+    its records still propagate, to a root handler if one is configured (pytest's caplog).
     """
     logger = logging.getLogger("infer8")
     if any(getattr(h, "infer8_cli", False) for h in logger.handlers):
@@ -22,4 +25,15 @@ def configure_logging(level: int = logging.INFO) -> None:
     handler.infer8_cli = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
     logger.setLevel(level)
-    logger.propagate = False
+
+
+@contextlib.contextmanager
+def only_warnings() -> Iterator[None]:
+    """Hold infer8's INFO lines back while the block runs (warnings and errors still show)."""
+    logger = logging.getLogger("infer8")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

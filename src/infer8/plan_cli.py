@@ -5,19 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from infer8.attention.exact_tail import DEFAULT_EXACT_SINK_TOKENS, DEFAULT_EXACT_TAIL_TOKENS
+from infer8.attention.tail_defaults import DEFAULT_EXACT_SINK_TOKENS, DEFAULT_EXACT_TAIL_TOKENS
 from infer8.entrypoints.arg_parser import did_you_mean
-from infer8.plan import (
-    ASSUMPTIONS,
-    Plan,
-    PlanInputs,
-    exact_tail_bytes,
-    plan_capacity,
-    ways_to_fit,
-)
-from infer8.plan_claims import evaluate_claim
 from infer8.plan_presets import (
     BF16_BYTES,
     DEVICE_PRESETS,
@@ -29,6 +20,9 @@ from infer8.plan_presets import (
     device_preset_name,
     load_model_shape,
 )
+
+if TYPE_CHECKING:
+    from infer8.plan import Plan, PlanInputs
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +136,8 @@ def _device_name(value: str) -> str:
 
 def plan_inputs_from(ns: argparse.Namespace) -> list[PlanInputs]:
     """Return one PlanInputs per combination of the multi-valued flags."""
+    from infer8.plan import PlanInputs  # torch: not for `--help`
+
     if ns.model_tag and ns.model and ns.model_tag != ns.model:
         raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
     model = load_model_shape(ns.model_tag or ns.model or "smollm2-135m")
@@ -218,6 +214,8 @@ def _kv_note(plan: Plan) -> str:
 
 def format_plan(plan: Plan) -> str:
     """Return the detailed text report of one configuration."""
+    from infer8.plan import exact_tail_bytes, ways_to_fit
+
     i, m = plan.inputs, plan.inputs.model
     bound = plan.decode_tokens_per_s_bound
     lines = [
@@ -311,6 +309,9 @@ def format_table(plans: list[Plan]) -> str:
 
 def run_plan(ns: argparse.Namespace) -> int:
     """Print the plan (text, table or JSON); return 0 when every configuration fits, else 1."""
+    from infer8.plan import ASSUMPTIONS, plan_capacity, ways_to_fit
+    from infer8.plan_claims import evaluate_claim
+
     all_inputs = plan_inputs_from(ns)
     plans = [plan_capacity(i) for i in all_inputs]
     claim = None

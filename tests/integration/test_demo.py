@@ -23,7 +23,7 @@ from infer8.demo_compare import (
     compare_engines,
     too_busy_reason,
 )
-from tests.utils import build_tiny_model
+from tests.utils import build_tiny_model, infer8_log_messages
 
 REPO = Path(__file__).resolve().parents[2]
 # The default model's (SmolLM2-135M-Instruct) KV shape: 30 layers, 3 KV heads of 64
@@ -62,7 +62,7 @@ def args(tmp_path_factory: pytest.TempPathFactory) -> EngineArgs:
 def demo_out(args: EngineArgs) -> str:
     """Return what the demo prints on the tiny model (the load average read as idle)."""
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out), infer8_log_messages() as logged:
         code = run_demo(
             args,
             num_requests=NUM_REQUESTS,
@@ -72,7 +72,7 @@ def demo_out(args: EngineArgs) -> str:
             load_average=lambda: 0.0,
         )
     assert code == 0
-    return out.getvalue()
+    return out.getvalue() + "\n".join(logged)  # the start-up facts are log lines
 
 
 @pytest.fixture(scope="module")

@@ -209,7 +209,9 @@ def test_sharded_checkpoint_and_auto_dtype(llama_dir: Path, tmp_path: Path) -> N
 
 def test_kv_cache_startup_line(llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     LLM(str(llama_dir), dtype="float32", kv_cache_memory_bytes=1 << 20, block_size=16)
-    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("KV cache:")][0]
+    err = capsys.readouterr().err  # a log line: level, time, module, then the fact
+    line = [ln.split("] ", 1)[1] for ln in err.splitlines() if "] KV cache:" in ln][0]
+    assert err.splitlines()[0].startswith("INFO ")
     # 2 layers x (K,V) x 2 heads x 16 dims x 4 bytes = 512 B/token -> 2048 tokens, 128 blocks
     assert line == (
         "KV cache: 0.00 GiB float32, room for 2,048 tokens = 4.00 requests of 512 tokens "

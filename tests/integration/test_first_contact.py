@@ -22,7 +22,7 @@ import pytest
 
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
-from tests.utils import build_tiny_model, free_port, wait_healthy
+from tests.utils import build_tiny_model, free_port, infer8_log_messages, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -67,7 +67,8 @@ def test_readme_python_snippet_prints_a_sensible_answer() -> None:
 @pytest.fixture(scope="module")
 def default_server() -> Iterator[str]:
     port = free_port()
-    proc = _serve(["--port", str(port), "--host", "127.0.0.1", "--max-num-seqs", "8"])
+    proc = _serve(["--port", str(port), "--host", "127.0.0.1", "--max-num-seqs", "8",
+                   "--shutdown-grace-period-s", "1"])  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url)
@@ -194,14 +195,13 @@ def test_fp8_kv_cache_serves_without_a_compiler(tiny_dir: Path, tmp_path: Path) 
     assert "attention runs in the torch reference" in out  # the log says which path it took
 
 
-def test_kv_budget_is_sized_to_need_and_reported(
-    tiny_dir: Path, capsys: pytest.CaptureFixture
-) -> None:
-    engine = LLMEngine(
-        EngineArgs(model=str(tiny_dir), dtype="float32", max_num_seqs=2, max_model_len=128)
-    )
+def test_kv_budget_is_sized_to_need_and_reported(tiny_dir: Path) -> None:
+    with infer8_log_messages() as logged:
+        engine = LLMEngine(
+            EngineArgs(model=str(tiny_dir), dtype="float32", max_num_seqs=2, max_model_len=128)
+        )
     assert engine.num_blocks == 2 * 128 // 16  # 2 sequences x 128 tokens, not the 4 GiB cap
-    out = capsys.readouterr().out
+    out = "\n".join(logged)
     assert "what --max-num-seqs x max-model-len can fill" in out
     assert "room for 256 tokens = 2.00 requests of 128 tokens (the longest allowed)" in out
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -224,3 +227,32 @@ def test_top_level_help_describes_the_product_and_its_commands(
     assert "OpenAI-compatible server" in out and "imports" not in out
     for command in ("serve", "pull", "plan", "bench", "demo"):
         assert f"    {command}" in out
+
+
+def test_serve_help_is_grouped_as_vllms_and_loads_no_torch() -> None:
+    """`infer8 serve --help` in a fresh interpreter: vLLM's sections, each default said once,
+    metavars named by the flag, and torch never imported (it took 13-16 s on a loaded machine)."""
+    code = (
+        "import sys\nfrom infer8.cli import main\n"
+        "try:\n    main(['serve', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert out.rstrip().endswith("NO TORCH")
+    assert out.startswith("usage: infer8 serve [MODEL] [options]\n")
+    sections = [line for line in out.splitlines() if line and not line[0].isspace()]
+    assert [s for s in sections if s.endswith(":")][-6:] == [
+        "Model:",
+        "Cache (KV blocks, FP8, prefix caching):",
+        "Scheduler:",
+        "Parallel:",
+        "Frontend (HTTP server, API keys, limits):",
+        "vLLM's other flags (accepted as vLLM's, with a warning, or refused with the reason):",
+    ]
+    assert "VLLM_" not in out.replace("VLLM_SERVER_DEV_MODE", "")
+    text = " ".join(out.split())
+    assert "(default: None)" not in text
+    assert not re.search(r"\(default: [^)]*\)[^(]{0,3}\(default:", text)
+    assert "--max-num-seqs MAX_NUM_SEQS most requests in one batch (default: 256)" in text

@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from infer8.attention.backend import AttentionBackend
     from infer8.attention.cpu import NativeKernels
     from infer8.attention.kv_cache import KVCacheSpec
@@ -27,6 +27,8 @@ FNUZ_ONLY_ARCHS = ("gfx940", "gfx941", "gfx942")
 
 def device_arch(device: torch.device) -> str:
     """Return a ROCm device's gfx architecture ("gfx942:sramecc+:xnack-"), "" elsewhere."""
+    import torch
+
     if device.type != "cuda" or torch.version.hip is None:
         return ""
     return str(getattr(torch.cuda.get_device_properties(device), "gcnArchName", ""))
@@ -37,6 +39,8 @@ def tail_kernels_available(device: torch.device, capability: tuple[int, int] | N
 
     The CPU backend does; the Triton kernels do where E4M3 runs (the residuals are E4M3).
     """
+    import torch
+
     if device.type != "cuda":
         return True
     if capability is None:
@@ -61,6 +65,8 @@ def select_backend(
     cache on a ROCm GPU with only fnuz FP8). `capability` and `arch` (ROCm's gfx name) are
     read from the device when not given.
     """
+    import torch
+
     from infer8.attention.reference import ReferenceAttention
 
     fmt = kv_spec.format

@@ -44,17 +44,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from infer8.attention.tail_defaults import (  # noqa: F401  (their home for torch users)
+    DEFAULT_EXACT_SINK_TOKENS,
+    DEFAULT_EXACT_TAIL_TOKENS,
+    DEFAULT_HADAMARD,
+)
 from infer8.quant import fp8
 
 if TYPE_CHECKING:
     from infer8.attention.kv_cache import KVCacheSpec
 
-# Measured on the default model (docs/accuracy.md, "Exact tail"), used when the flags are left on
-# auto for an FP8 cache whose kernels read the tail: the window and the sinks (together they
-# keep bench capacity's FP8/bf16 ratio >= 1.9x at 1,024 tokens) and the rotation.
-DEFAULT_EXACT_TAIL_TOKENS = 24
-DEFAULT_EXACT_SINK_TOKENS = 4
-DEFAULT_HADAMARD = True
 # The residual layer is E4M3 whatever the cache's format: it is scaled per token, so it needs
 # precision, not range (an E5M2 residual would leave ~6 mantissa bits instead of ~8).
 RESIDUAL_DTYPE = torch.float8_e4m3fn

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from infer8.bench.flops import ModelFlops
 from infer8.bench.workload import BenchRequest
+from infer8.progress import progress_bar
 
 
 def _load_hf_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> Any:
@@ -72,7 +72,7 @@ def run_hf_baseline(
     batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
     generated = 0
     t0 = time.perf_counter()
-    for batch in tqdm(batches, desc="hf generate", disable=not use_tqdm, unit="batch"):
+    for batch in progress_bar(batches, desc="hf generate", disable=not use_tqdm, unit="batch"):
         generated += _generate(model, batch, pad_token_id, device)
     elapsed_s = time.perf_counter() - t0
     useful = sum(r.output_len for r in requests)

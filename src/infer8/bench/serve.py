@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
-from tqdm.auto import tqdm
 
 from infer8.bench.report import fmt, markdown_table, summarize
 from infer8.bench.workload import BenchRequest, TokenizerLike, workload_summary
+from infer8.progress import progress_bar
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
@@ -269,7 +269,7 @@ async def run_serve_async(
         offsets = arrival_offsets_s(
             len(requests), config.request_rate, config.burstiness, config.seed
         )
-        bar = tqdm(total=len(requests), desc="bench serve", disable=not use_tqdm, unit="req")
+        bar = progress_bar(total=len(requests), desc="bench serve", disable=not use_tqdm, unit="req")
 
         async def one(request: BenchRequest) -> RequestResult:
             async with semaphore:

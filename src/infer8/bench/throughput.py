@@ -7,14 +7,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from infer8.bench.flops import ModelFlops, measure_matmul_peak
 from infer8.bench.report import fmt, markdown_table, summarize
 from infer8.bench.workload import BenchRequest, LengthSpec, make_requests, workload_summary
 from infer8.config import EngineArgs
 from infer8.core.sched_output import SchedulerStats
 from infer8.engine import LLMEngine
+from infer8.progress import progress_bar
 from infer8.sampling_params import SamplingParams
 
 
@@ -91,7 +90,7 @@ def run_workload(
     timings: dict[str, RequestTiming] = {}
     step_times_s: list[float] = []
     step_num_samples: list[int] = []  # rows that got a token each step (the LM head's rows)
-    bar = tqdm(total=len(requests), desc=desc, disable=not use_tqdm, unit="req")
+    bar = progress_bar(total=len(requests), desc=desc, disable=not use_tqdm, unit="req")
     try:
         t0 = time.perf_counter()
         for r, p in zip(requests, params):

@@ -76,28 +76,65 @@ def _base_type(annotation: Any) -> type:
     return hint
 
 
+# --help's sections, as vLLM groups its engine flags (ModelConfig, CacheConfig, ...).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "Model": (
+        "model", "dtype", "device", "max_model_len", "seed", "enforce_eager",
+        "served_model_name", "quantization", "chat_template", "generation_config",
+        "override_generation_config",
+    ),
+    "Cache (KV blocks, FP8, prefix caching)": (
+        "block_size", "kv_cache_dtype", "kv_cache_memory_bytes", "gpu_memory_utilization",
+        "kv_scale", "kv_scales_path", "enable_prefix_caching", "kv_cache_exact_tail_tokens",
+        "kv_cache_exact_sink_tokens", "kv_cache_hadamard", "kv_offloading_size",
+        "kv_events_config",
+    ),
+    "Scheduler": ("max_num_seqs", "max_num_batched_tokens", "scheduler"),
+    "Parallel": ("tensor_parallel_size",),
+}  # fmt: skip
+
+
+def with_default(help_: str, default: Any) -> str:
+    """Return help ending in its default, once: not for None, nor where the text says it."""
+    if default is None or "(default" in help_:
+        return help_
+    return f"{help_} (default: {default})"
+
+
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
-    """Add one --flag per EngineArgs field, named as vLLM names it."""
+    """Add one --flag per EngineArgs field, named as vLLM names it, in vLLM's sections."""
     defaults = EngineArgs()
+    field_to_group = {
+        name: group
+        for title, names in GROUPS.items()
+        for group in [parser.add_argument_group(title)]
+        for name in names
+    }
     for f in dataclasses.fields(EngineArgs):
         kind = _base_type(f.name)
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        help_ = HELP[f.name] + f" (default: {default})"
+        group = field_to_group[f.name]
         if kind is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_
-            )
-        elif f.name == "model":
-            parser.add_argument(
+            # the text's own default; BooleanOptionalAction adds none where help says one
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default,
+                help=with_default(HELP[f.name], default),
+            )  # fmt: skip
+            continue
+        help_ = with_default(HELP[f.name], default)
+        metavar = f.name.upper() if CHOICES.get(f.name) is None else None
+        if f.name == "model":
+            group.add_argument(
                 flag, dest="model_flag", metavar="MODEL", default=None, help=HELP["model"]
             )
         elif f.name == "tensor_parallel_size":
-            parser.add_argument(flag, "-tp", type=kind, default=default, help=help_)
+            group.add_argument(flag, "-tp", type=kind, default=default, help=help_, metavar="N")
         else:
-            parser.add_argument(
-                flag, type=kind, default=default, choices=CHOICES.get(f.name), help=help_
-            )
+            group.add_argument(
+                flag, type=kind, default=default, choices=CHOICES.get(f.name), help=help_,
+                metavar=metavar,
+            )  # fmt: skip
     if positional_model:
         parser.add_argument("model", nargs="?", default=None, help="same as --model")
 

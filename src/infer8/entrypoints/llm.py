@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
+from infer8.logging_setup import configure_logging
 from infer8.outputs import RequestOutput
+from infer8.progress import progress_bar
 from infer8.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -19,6 +19,7 @@ class LLM:
     """Owns one LLMEngine and runs batches of prompts to completion."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        configure_logging()  # start-up facts (KV cache, memory) as log lines on stderr
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise TypeError(
@@ -117,7 +118,7 @@ class LLM:
             engine.abort_request(ids)
             raise
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
+        bar = progress_bar(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
         try:
             while len(results) < len(ids):
                 for out in engine.step():

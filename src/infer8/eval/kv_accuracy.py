@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from infer8.config import EngineArgs, KVCacheDType
 from infer8.engine import LLMEngine
 from infer8.eval.scoring import score_tokens
+from infer8.progress import progress_bar
 from infer8.quant import kv_scales
 from infer8.sampling_params import SamplingParams
 
@@ -80,7 +80,7 @@ def run_kv_eval(
     if not kv_dtype.is_fp8:
         raise ValueError(f"eval kv compares an fp8 cache with the reference; got {kv_dtype.value}")
     ref_args = eval_args(args, kv_cache_dtype="auto", kv_scale="dynamic", kv_scales_path=None)
-    bar = tqdm(total=4, desc="eval kv", unit="phase")
+    bar = progress_bar(total=4, desc="eval kv", unit="phase")
     ref = LLMEngine(ref_args)
     test = LLMEngine(eval_args(args))
     bar.update(1)
@@ -159,7 +159,7 @@ def calibrate_kv(
         cache.v_amax = torch.zeros(spec.num_kv_heads, spec.head_dim, device=cache.k.device)
     tokens = engine.tokenizer.encode(load_text(text), add_special_tokens=False)[:num_tokens]
     window = engine.max_model_len
-    for start in tqdm(range(0, len(tokens), window), desc="calibrate-kv"):
+    for start in progress_bar(range(0, len(tokens), window), desc="calibrate-kv"):
         score_tokens(engine, tokens[start : start + window])
     k_amax = [c.k_amax for c in engine.worker.kv_caches]  # type: ignore[misc]
     v_amax = [c.v_amax for c in engine.worker.kv_caches]  # type: ignore[misc]

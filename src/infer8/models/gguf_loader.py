@@ -26,7 +26,6 @@ import torch
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 from tokenizers import Tokenizer as HFTokenizer
-from tqdm.auto import tqdm
 
 from infer8.models.gguf_metadata import (
     build_hf_config,
@@ -40,6 +39,7 @@ from infer8.models.gguf_tokenizer import (
     build_tokenizer_json,
     eos_token_ids,
 )
+from infer8.progress import progress_bar
 
 if TYPE_CHECKING:
     from infer8.tokenizer import Tokenizer
@@ -122,7 +122,7 @@ def load_gguf(
         dtype=dtype,
     )
     if progress:  # the converter wants the whole state dict now, with a progress bar
-        names = tqdm(total=len(tensors), desc=f"Loading {path.name}", unit="tensor")
+        names = progress_bar(total=len(tensors), desc=f"Loading {path.name}", unit="tensor")
         state_dict = {}
         for name, tensor in model.iter_weights():
             state_dict[name] = tensor

@@ -8,7 +8,6 @@ dynamic per-token scales instead.
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 
@@ -58,8 +57,7 @@ def resolve_kv_scales(
     else:
         scales = kv_scales.from_checkpoint(ckpt_scales, num_layers, num_kv_heads, head_dim)
     if scales is None:
-        logger.warning(_MISSING)
         if is_driver:
-            print(_MISSING, file=sys.stderr, flush=True)
+            logger.warning(_MISSING)
         return None, "dynamic (static scales missing)"
     return scales, f"static ({scales.source})"

@@ -174,7 +174,7 @@ class Worker:
         self.host_kv_cache = self._allocate_host_tier(device)
         self.num_host_blocks = 0 if self.host_kv_cache is None else self.host_kv_cache.num_blocks
         if self.is_driver:
-            print(self._describe_kv_cache(), flush=True)
+            logger.info("%s", self._describe_kv_cache())
         self.model: LlamaForCausalLM = model
         self.runner = ModelRunner(
             model,
@@ -266,7 +266,7 @@ class Worker:
         )
         self.memory_plan: MemoryPlan = plan  # where the KV budget came from
         if self.is_driver:
-            print(plan.report(device.type == "cpu"), flush=True)
+            logger.info("%s", plan.report(device.type == "cpu"))
         return plan.kv_bytes
 
     def _check_device_use(self, counters: MemoryCounters) -> None:

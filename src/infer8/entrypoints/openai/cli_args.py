@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
-import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ from typing import Any
 
 from infer8.config import EngineArgs
 from infer8.entrypoints.arg_parser import ArgumentParser
-from infer8.entrypoints.args import add_engine_args, engine_args_from
+from infer8.entrypoints.args import add_engine_args, engine_args_from, with_default
 from infer8.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from infer8.entrypoints.openai.vllm_compat import (
     add_vllm_compat_args,
@@ -24,6 +24,8 @@ from infer8.entrypoints.openai.vllm_compat import (
 from infer8.version import __version__
 
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -176,25 +178,29 @@ def _field_type(cls: type, name: str) -> type:
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Add one --flag per ServerConfig field."""
+    """Add one --flag per ServerConfig field (the Frontend section of --help)."""
     defaults = ServerConfig()
+    group = parser.add_argument_group("Frontend (HTTP server, API keys, limits)")
     for f in dataclasses.fields(ServerConfig):
         default = getattr(defaults, f.name)
+        help_ = with_default(_SERVER_HELP[f.name], default)
         if isinstance(default, bool):
-            parser.add_argument(
+            group.add_argument(
                 "--" + f.name.replace("_", "-"),
                 action=argparse.BooleanOptionalAction,
                 default=default,
-                help=_SERVER_HELP[f.name],
+                help=help_,
             )
             continue
-        parser.add_argument(
+        choices = _SERVER_CHOICES.get(f.name)
+        group.add_argument(
             "--" + f.name.replace("_", "-"),
             type=str if f.name == "api_key" else _field_type(ServerConfig, f.name),
             nargs="+" if f.name == "api_key" else None,
             default=default,
-            choices=_SERVER_CHOICES.get(f.name),
-            help=f"{_SERVER_HELP[f.name]} (default: {default})",
+            choices=choices,
+            metavar=("KEY" if f.name == "api_key" else f.name.upper()) if choices is None else None,
+            help=help_,
         )
 
 
@@ -261,7 +267,9 @@ class _ServeArgumentParser(ArgumentParser):
 def make_serve_parser(prog: str = "infer8 serve") -> argparse.ArgumentParser:
     """Return a parser of serve-style args ([MODEL] or --model=MODEL, engine and server flags)."""
     parser = _ServeArgumentParser(
-        prog=prog, description="Serve a model over an OpenAI-compatible HTTP API."
+        prog=prog,
+        usage=f"{prog} [MODEL] [options]",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
     )
     add_serve_args(parser)
     return parser
@@ -276,15 +284,19 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def print_compat_warnings(ns: argparse.Namespace) -> None:
-    """Print one line for each vLLM flag that was accepted but has no effect here."""
+    """Log one warning for each vLLM flag that was accepted but has no effect here."""
     for line in apply_vllm_compat(ns)[1]:
-        print(f"infer8: {line}", file=sys.stderr, flush=True)
+        logger.warning("%s", line)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `serve` subcommand on the `infer8` command's subparsers."""
     parser = subparsers.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API (vLLM's flags)"
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (vLLM's flags)",
+        usage="infer8 serve [MODEL] [options]",
+        description="Serve a model over an OpenAI-compatible HTTP API; vLLM's flags, in its "
+        "sections.",
     )
     add_serve_args(parser)
     parser.set_defaults(func=_cmd_serve)

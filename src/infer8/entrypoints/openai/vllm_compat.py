@@ -278,14 +278,20 @@ def _dest(flag: str) -> str:
 
 
 def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
-    """Add the flags of COMPAT_FLAGS (hidden from --help except through the docs table)."""
+    """Add the flags of COMPAT_FLAGS (their own section of --help; docs/vllm-flags.md)."""
+    group = parser.add_argument_group(
+        "vLLM's other flags (accepted as vLLM's, with a warning, or refused with the reason)"
+    )
     for compat in COMPAT_FLAGS:
         names = [compat.flag] + ([compat.short] if compat.short else [])
         help_ = f"vLLM flag: {compat.status}: {compat.reason}"
         if compat.takes_value:
-            parser.add_argument(*names, dest=_dest(compat.flag), default=None, help=help_)
+            metavar = compat.flag.lstrip("-").replace("-", "_").upper()
+            group.add_argument(
+                *names, dest=_dest(compat.flag), default=None, help=help_, metavar=metavar
+            )
         else:
-            parser.add_argument(
+            group.add_argument(
                 *names, dest=_dest(compat.flag), action="store_true", default=None, help=help_
             )
 
