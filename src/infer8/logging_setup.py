@@ -11,6 +11,21 @@ LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 DATE_FORMAT = "%m-%d %H:%M:%S"
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler that writes to whatever sys.stderr is when a record comes (redirected or not)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
 def configure_logging(level: int = logging.INFO) -> None:
     """Send infer8's loggers to stderr as `INFO 12-07 10:00:00 [infer8.x] message` lines.
 
@@ -20,7 +35,7 @@ def configure_logging(level: int = logging.INFO) -> None:
     logger = logging.getLogger("infer8")
     if any(getattr(h, "infer8_cli", False) for h in logger.handlers):
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
     handler.infer8_cli = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
