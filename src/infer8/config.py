@@ -220,6 +220,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     scheduler: str = "continuous"
+    # vLLM's SchedulerConfig.policy: "fcfs", or "priority" (requests' priority, then arrival).
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -230,6 +232,14 @@ class SchedulerConfig:
             )
         if self.scheduler not in ("continuous", "static"):
             raise ValueError(f"scheduler must be continuous or static, got {self.scheduler!r}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}")
+        if self.policy == "priority" and self.scheduler == "static":
+            raise ValueError(
+                "scheduling_policy priority needs the continuous scheduler: the static baseline "
+                "admits whole batches first come, first served (drop --scheduler static or "
+                "--scheduling-policy priority)"
+            )
 
 
 @dataclass(frozen=True)
@@ -336,6 +346,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     scheduler: str = "continuous"
+    scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     generation_config: str = "auto"
     override_generation_config: str | None = None
@@ -396,6 +407,7 @@ class EngineArgs:
             if self.max_num_batched_tokens is None
             else self.max_num_batched_tokens,
             scheduler=self.scheduler,
+            policy=self.scheduling_policy,
         )
         return model_config, cache_config, scheduler_config
 

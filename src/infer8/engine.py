@@ -129,14 +129,20 @@ class LLMEngine:
             enable_kv_cache_events=self.kv_events_config.is_enabled,
             num_host_blocks=self.num_host_blocks,
         )
-        sched_cls = StaticScheduler if is_static else Scheduler
         max_num_seqs = self.scheduler_config.max_num_seqs
-        scheduler = sched_cls(
-            kv_cache_manager,
-            # an FP8 exact tail holds one ring row (a seat) per running request
-            min(max_num_seqs, self.num_tail_rows or max_num_seqs),
-            self.scheduler_config.max_num_batched_tokens,
-        )
+        # an FP8 exact tail holds one ring row (a seat) per running request
+        max_num_seqs = min(max_num_seqs, self.num_tail_rows or max_num_seqs)
+        max_num_batched_tokens = self.scheduler_config.max_num_batched_tokens
+        scheduler: SchedulerBase
+        if is_static:
+            scheduler = StaticScheduler(kv_cache_manager, max_num_seqs, max_num_batched_tokens)
+        else:
+            scheduler = Scheduler(
+                kv_cache_manager,
+                max_num_seqs,
+                max_num_batched_tokens,
+                policy=self.scheduler_config.policy,
+            )
         return kv_cache_manager, scheduler
 
     @property
@@ -170,14 +176,18 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time_s: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> str:
         """Validate and queue a request; return its id. Raises ValueError on bad input.
 
         Requests with different `cache_salt` values never share prefix-cached KV blocks.
+        `priority` orders requests under --scheduling-policy priority (lower values first);
+        under fcfs only 0 is accepted, as in vLLM.
         """
         params = sampling_params or SamplingParams()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string if provided")
+        self.check_priority(priority)
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
@@ -189,7 +199,13 @@ class LLMEngine:
         if request_id in self.req_states:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(
-            request_id, token_ids, params, self.tokenizer.eos_token_ids, arrival_time_s, cache_salt
+            request_id,
+            token_ids,
+            params,
+            self.tokenizer.eos_token_ids,
+            arrival_time_s,
+            cache_salt,
+            priority,
         )
         limit = self.max_model_len
         if params.max_tokens is not None:
@@ -209,6 +225,16 @@ class LLMEngine:
         self.req_states[request_id] = RequestState(request, text, self.tokenizer)
         self.scheduler.add_request(request)
         return request_id
+
+    def check_priority(self, priority: int) -> None:
+        """Raise ValueError for a priority the scheduling policy cannot honour."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduler_config.policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs --scheduling-policy priority; this server schedules "
+                "first come, first served (fcfs), where only priority 0 is accepted"
+            )
 
     def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if a request could never run (checked before it is queued)."""

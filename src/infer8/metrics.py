@@ -35,6 +35,18 @@ class EngineMetrics:
         self.num_requests_waiting = Gauge(
             "vllm:num_requests_waiting", "Requests waiting to run.", name, registry=r
         ).labels(model_name)
+        # infer8's own (vLLM has no per-priority gauge): one series per priority value that has
+        # requests waiting; "0" always, others removed once empty (clients pick the values).
+        self._waiting_by_priority = Gauge(
+            "infer8:num_requests_waiting_by_priority",
+            "Requests waiting to run, by their priority (lower values run first under "
+            "--scheduling-policy priority).",
+            ["model_name", "priority"],
+            registry=r,
+        )
+        self._model_name = model_name
+        self._waiting_priorities: set[int] = set()
+        self._waiting_by_priority.labels(model_name, "0").set(0)
         self.kv_cache_usage_perc = Gauge(
             "vllm:kv_cache_usage_perc",
             "Fraction of KV cache blocks in use (0-1).",
@@ -180,6 +192,16 @@ class EngineMetrics:
         self.num_requests_running.set(num_running)
         self.num_requests_waiting.set(num_waiting)
         self.kv_cache_usage_perc.set(kv_cache_usage)
+
+    def set_waiting_by_priority(self, num_waiting_by_priority: dict[int, int]) -> None:
+        """Set the waiting queue's depth per priority value; drop the series that emptied."""
+        gauge, name = self._waiting_by_priority, self._model_name
+        for priority in self._waiting_priorities - num_waiting_by_priority.keys() - {0}:
+            gauge.remove(name, str(priority))
+        gauge.labels(name, "0").set(num_waiting_by_priority.get(0, 0))
+        for priority, num in num_waiting_by_priority.items():
+            gauge.labels(name, str(priority)).set(num)
+        self._waiting_priorities = set(num_waiting_by_priority)
 
     def set_fp8_saturated(self, num_saturated: int) -> None:
         """Advance the saturation counter to the cache's cumulative count."""

@@ -57,6 +57,7 @@ class Request:
         eos_token_ids: list[int],
         arrival_time_s: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,6 +70,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # why it failed, for FINISHED_ERROR
         self.arrival_time_s = time.monotonic() if arrival_time_s is None else arrival_time_s
+        # The priority policy admits lower values first (vLLM's meaning); FCFS ignores it.
+        self.priority = priority
         self.first_scheduled_time_s: float | None = None
         # The cap on prompt + output tokens, resolved by the engine against max_model_len.
         self.max_num_tokens = len(self.prompt_token_ids) + (sampling_params.max_tokens or 0)

@@ -19,6 +19,7 @@ from infer8.attention.kv_cache import KVCacheSpec
 from infer8.config import CacheConfig
 from infer8.core.kv_cache_manager import KVCacheManager
 from infer8.core.sched_output import SchedulerStats
+from infer8.core.scheduler import Scheduler
 from infer8.entrypoints.console import StepRecorder, add_console_routes
 from infer8.entrypoints.console.recorder import MAX_QUEUED_RECORDS, RequestLatencies
 from infer8.entrypoints.console.snapshot import (
@@ -56,7 +57,9 @@ class FakeEngine:
         self.model_config = SimpleNamespace(served_model_name="fake", model="fake")
         self.served_model_name = "fake"
         self.default_sampling: dict[str, Any] = {}
-        self.scheduler_config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64)
+        self.scheduler_config = SimpleNamespace(
+            max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs"
+        )
         self.max_model_len = 64
         self.last_stats = SchedulerStats()
 
@@ -170,6 +173,30 @@ def test_step_record_has_counts_and_a_block_map_of_owners_cached_and_shared() ->
         assert ["a", 8, 1, len(a_blocks)] == next(r[1:] for r in record["reqs"] if r[1] == "a")
         assert "saturated" not in record  # a bf16 cache clips nothing
         await stream.aclose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_step_record_has_the_waiting_queue_by_priority_under_the_priority_policy(
+    policy: str,
+) -> None:
+    async def run() -> None:
+        engine = FakeEngine()
+        engine.scheduler_config.policy = policy
+        engine.scheduler = Scheduler(engine.kv_cache_manager, 4, 64, policy=policy)
+        for i, priority in enumerate([3, 0, 3]):
+            params = SamplingParams(max_tokens=2)
+            request = Request(f"r{i}", [1, 2], params, [0], priority=priority)
+            engine.scheduler.add_request(request)
+        recorder = StepRecorder(engine, clock=Clock())
+        await _open(recorder)
+        recorder.on_step(_stats(num_running=0))
+        (record,) = await _queued(recorder)
+        if policy == "priority":
+            assert record["waiting_by_priority"] == [[0, 1], [3, 2]]
+        else:
+            assert "waiting_by_priority" not in record
 
     asyncio.run(run())
 

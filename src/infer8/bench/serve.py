@@ -269,7 +269,9 @@ async def run_serve_async(
         offsets = arrival_offsets_s(
             len(requests), config.request_rate, config.burstiness, config.seed
         )
-        bar = progress_bar(total=len(requests), desc="bench serve", disable=not use_tqdm, unit="req")
+        bar = progress_bar(
+            total=len(requests), desc="bench serve", disable=not use_tqdm, unit="req"
+        )
 
         async def one(request: BenchRequest) -> RequestResult:
             async with semaphore:

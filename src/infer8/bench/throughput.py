@@ -37,7 +37,13 @@ class RequestTiming:
 
 
 def bench_engine_args(args: EngineArgs, **changes: Any) -> EngineArgs:
-    """Return args with changes applied, skipping options this engine version does not have."""
+    """Return args with changes applied, skipping options this engine version does not have.
+
+    A static-scheduler group runs first come, first served whatever --scheduling-policy says
+    (the baseline has no other policy).
+    """
+    if changes.get("scheduler") == "static":
+        changes = {**changes, "scheduling_policy": "fcfs"}
     known = set(EngineArgs.field_names())
     return dataclasses.replace(args, **{k: v for k, v in changes.items() if k in known})
 

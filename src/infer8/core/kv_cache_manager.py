@@ -67,6 +67,15 @@ class KVCacheManager:
         held = len(self.req_to_block_ids.get(request_id, ()))
         return max(0, cdiv(num_tokens, self.block_size) - held)
 
+    def num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_block_ids: Sequence[int] = ()
+    ) -> int:
+        """Return how many free blocks `allocate_slots` would take: new blocks, and prefix hits
+        that nobody holds now (they leave the free queue)."""
+        num_held = len(self.req_to_block_ids.get(request_id, ())) + len(new_computed_block_ids)
+        num_new = max(0, cdiv(num_tokens, self.block_size) - num_held)
+        return num_new + sum(1 for b in new_computed_block_ids if self.block_pool.is_free(b))
+
     def block_hashes(self, request: Request, num_blocks: int | None = None) -> list[BlockHash]:
         """Return the hash chain of the request's first full blocks, extending it as needed.
 
@@ -139,9 +148,10 @@ class KVCacheManager:
             0, cdiv(num_tokens, self.block_size) - len(block_ids) - len(new_computed_block_ids)
         )
         assert len(host_hit_slots) <= num_new
-        # Hits nobody holds now leave the free queue: they count against it too.
-        num_free_hits = sum(1 for b in new_computed_block_ids if self.block_pool.is_free(b))
-        if num_new + num_free_hits > self.block_pool.num_free_blocks:
+        num_to_allocate = self.num_blocks_to_allocate(
+            request.request_id, num_tokens, new_computed_block_ids
+        )
+        if num_to_allocate > self.block_pool.num_free_blocks:
             return None
         self.block_pool.touch(new_computed_block_ids)
         if self.host_tier is not None:

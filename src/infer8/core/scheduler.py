@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 
 from infer8.core.kv_cache_manager import KVCacheManager
+from infer8.core.request_queue import (
+    RequestQueue,
+    SchedulingPolicy,
+    create_request_queue,
+    priority_key,
+)
 from infer8.core.sched_output import (
     ModelRunnerOutput,
     NewRequestData,
@@ -17,19 +23,21 @@ from infer8.request import Request, RequestStatus
 
 
 class SchedulerBase:
-    """Owns the requests, the waiting queue and the KV cache manager shared by both policies."""
+    """Owns the requests, the waiting queue and the KV cache manager shared by both schedulers."""
 
     def __init__(
         self,
         kv_cache_manager: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        policy: SchedulingPolicy | str = SchedulingPolicy.FCFS,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = SchedulingPolicy(policy)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: RequestQueue = create_request_queue(self.policy)
         self.running: list[Request] = []
         self._seen_by_runner: set[str] = set()
         self._finished_since_last_step: list[str] = []
@@ -41,7 +49,7 @@ class SchedulerBase:
         """Queue a request (the engine has validated that it can ever fit)."""
         assert request.request_id not in self.requests, "duplicate request id"
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish (stop string, abort) requests now and free their blocks."""
@@ -60,7 +68,7 @@ class SchedulerBase:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
-            self.waiting.remove(request)
+            self.waiting.remove_request(request)
         self._release(request)
 
     def _release(self, request: Request) -> None:
@@ -80,6 +88,10 @@ class SchedulerBase:
     def num_unfinished_requests(self) -> int:
         """Return waiting + running."""
         return len(self.requests)
+
+    def num_waiting_by_priority(self) -> dict[int, int]:
+        """Return how many requests wait at each priority value (all at 0 under FCFS)."""
+        return self.waiting.num_requests_by_priority()
 
     # -- one step ----------------------------------------------------------------------------
     def _new_output(self) -> SchedulerOutput:
@@ -161,12 +173,20 @@ class SchedulerBase:
 
 
 class Scheduler(SchedulerBase):
-    """Iteration-level scheduling: requests join and leave the batch at every step."""
+    """Iteration-level scheduling: requests join and leave the batch at every step.
+
+    FCFS admits in arrival order and, when blocks run out, preempts the most recently admitted
+    request. The priority policy (vLLM's) admits by (priority, arrival time), keeps `running`
+    in that order so that the preempted request is the one with the largest key, and lets a
+    waiting request preempt running ones of larger key when it lacks the blocks to join.
+    """
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work: running requests first, then waiting ones (FCFS)."""
+        """Pick this step's work: running requests first, then waiting ones in policy order."""
         out = self._new_output()
         token_budget = self.max_num_batched_tokens
+        if self.policy == SchedulingPolicy.PRIORITY:
+            self._preempt_for_waiting(out)
         preempted = False
 
         # Running requests: decodes and the rest of chunked prefills, never stalled by admissions.
@@ -179,7 +199,9 @@ class Scheduler(SchedulerBase):
                 self.kv_cache_manager.allocate_slots(request, request.num_computed_tokens + num_new)
                 is None
             ):
-                victim = self.running.pop()  # the most recently admitted
+                # The last one is not scheduled yet this step: the most recently admitted
+                # (FCFS), or the largest (priority, arrival time).
+                victim = self.running.pop()
                 self._preempt(victim, out)
                 preempted = True
                 if victim is request:
@@ -191,14 +213,17 @@ class Scheduler(SchedulerBase):
                 continue
             break  # the request preempted itself: nothing further fits
 
-        # Waiting requests join while seats, budget and blocks allow; not after a preemption.
+        # Waiting requests join while seats, budget and blocks allow; not after a preemption
+        # for lack of blocks, nor a request preempted this step.
         while (
             not preempted
             and self.waiting
             and len(self.running) < self.max_num_seqs
             and token_budget > 0
         ):
-            request = self.waiting[0]
+            request = self.waiting.peek_request()
+            if request.request_id in out.preempted_req_ids:
+                break
             assert request.num_computed_tokens == 0  # new, or preempted and recomputed
             # The longest cached prefix (a preempted request often finds its own blocks again),
             # continued in the host tier (those blocks are loaded, not computed).
@@ -212,10 +237,10 @@ class Scheduler(SchedulerBase):
                 is None
             ):
                 break
-            self.waiting.popleft()
+            self.waiting.pop_request()
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._add_running(request)
             self._stats.admitted_req_ids.append(request.request_id)
             self._record_prefix_cache_query(request, num_device_computed, num_computed)
             self._schedule_request(out, request, num_new)
@@ -224,6 +249,53 @@ class Scheduler(SchedulerBase):
         self._take_host_transfers(out)
         self._stats.num_scheduled_tokens = out.total_num_scheduled_tokens
         return out
+
+    def _add_running(self, request: Request) -> None:
+        """Put an admitted request in `running`: last (FCFS), or in (priority, arrival) order."""
+        if self.policy == SchedulingPolicy.PRIORITY:
+            bisect.insort(self.running, request, key=priority_key)
+        else:
+            self.running.append(request)
+
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """Preempt running requests of larger (priority, arrival) than the first waiting one,
+        lowest priority first, while it lacks the blocks to join this step.
+
+        Done before anything is scheduled, so no victim has blocks for this step's tokens (or
+        prefix-cache entries for them) to take back.
+        """
+        if not self.waiting:
+            return
+        head = self.waiting.peek_request()
+        while self.running and priority_key(self.running[-1]) > priority_key(head):
+            num_blocks_short = self._num_blocks_short(head)
+            if num_blocks_short is None or num_blocks_short <= 0:
+                return
+            self._preempt(self.running.pop(), out)
+
+    def _num_blocks_short(self, request: Request) -> int | None:
+        """Return how many blocks a waiting request lacks to join this step after the running
+        requests took theirs; None when the token budget leaves it nothing to compute."""
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_batched_tokens
+        num_running_blocks = 0
+        for running in self.running:  # what the running loop will take, in its order
+            num_new = min(running.num_tokens - running.num_computed_tokens, token_budget)
+            if num_new <= 0:
+                break
+            end = running.num_computed_tokens + num_new
+            num_running_blocks += kv.num_blocks_needed(running.request_id, end)
+            token_budget -= num_new
+        if token_budget <= 0:
+            return None
+        computed_block_ids, num_device_computed = kv.get_computed_blocks(request)
+        host_slots = kv.get_host_hits(request, len(computed_block_ids))
+        num_computed = num_device_computed + len(host_slots) * kv.block_size
+        num_new = min(request.num_tokens - num_computed, token_budget)
+        num_blocks = kv.num_blocks_to_allocate(
+            request.request_id, num_computed + num_new, computed_block_ids
+        )
+        return num_running_blocks + num_blocks - kv.num_free_blocks
 
     def _take_host_transfers(self, out: SchedulerOutput) -> None:
         """Put the step's copies to and from the host tier into its output."""
@@ -255,6 +327,6 @@ class Scheduler(SchedulerBase):
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend_request(request)
         out.preempted_req_ids.append(request.request_id)
         self._stats.num_preemptions += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from infer8.core.request_queue import SchedulingPolicy
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.core.scheduler import SchedulerBase
 from infer8.request import Request, RequestStatus
@@ -19,6 +20,7 @@ class StaticScheduler(SchedulerBase):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        assert self.policy == SchedulingPolicy.FCFS, "static batches are admitted in arrival order"
         self.batch_size = 0  # seats in the current batch, finished requests included
         self.batch: list[Request] = []
 
@@ -47,10 +49,10 @@ class StaticScheduler(SchedulerBase):
     def _admit_batch(self) -> None:
         """Take up to max_num_seqs waiting requests whose full reservation fits."""
         while self.waiting and len(self.batch) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek_request()
             if self.kv_cache_manager.allocate_slots(request, request.max_num_tokens) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop_request()
             request.status = RequestStatus.RUNNING
             self.batch.append(request)
             self.running.append(request)

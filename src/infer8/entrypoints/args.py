@@ -17,6 +17,7 @@ CHOICES: dict[str, list[str]] = {
     "kv_cache_dtype": ["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"],
     "kv_scale": ["dynamic", "static"],
     "scheduler": ["continuous", "static"],
+    "scheduling_policy": ["fcfs", "priority"],
 }
 HELP: dict[str, str] = {
     "model": "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct, "
@@ -50,6 +51,9 @@ HELP: dict[str, str] = {
     "max_num_batched_tokens": "most tokens computed in one step (prefill chunks + decodes); "
     "None = auto: 8192 on GPUs with >= 70 GiB except A100s, 2048 on other GPUs and on CPU",
     "scheduler": "continuous (iteration-level) batching, or the static baseline",
+    "scheduling_policy": "fcfs: first come, first served; priority: by each request's "
+    "`priority` (lower first; default 0), then arrival, and lower-priority running requests are "
+    "preempted when blocks run out (continuous scheduler only)",
     "tensor_parallel_size": "split the model over N processes, one per device (under torchrun: "
     "one per launched rank)",
     "generation_config": "sampling defaults: auto (the model's generation_config.json), vllm "
@@ -89,7 +93,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "kv_cache_exact_sink_tokens", "kv_cache_hadamard", "kv_offloading_size",
         "kv_events_config",
     ),
-    "Scheduler": ("max_num_seqs", "max_num_batched_tokens", "scheduler"),
+    "Scheduler": ("max_num_seqs", "max_num_batched_tokens", "scheduler", "scheduling_policy"),
     "Parallel": ("tensor_parallel_size",),
 }  # fmt: skip
 

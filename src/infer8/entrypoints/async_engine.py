@@ -184,14 +184,16 @@ class AsyncLLMEngine:
         params: Sequence[SamplingParams],
         cache_salt: str | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        priority: int = 0,
     ) -> RequestGroup:
         """Submit one API request's engine requests; raise if overloaded, draining or stopped.
 
         `loop` is the event loop that reads the outputs (default: the running one), so a worker
-        thread that tokenized the request can submit it.
+        thread that tokenized the request can submit it. `priority` orders all of them under
+        --scheduling-policy priority (lower first).
         """
         loop = loop or asyncio.get_running_loop()
-        group = RequestGroup(request_id, prompts, params, loop, self, cache_salt)
+        group = RequestGroup(request_id, prompts, params, loop, self, cache_salt, priority)
         with self._lock:
             if self._dead_reason is not None:
                 raise EngineDeadError(self._dead_reason)
@@ -353,7 +355,12 @@ class AsyncLLMEngine:
                 zip(group.request_ids, group.prompts, group.params)
             ):
                 self.engine.add_request(
-                    prompt, params, request_id, group.arrival_time_s, group.cache_salt
+                    prompt,
+                    params,
+                    request_id,
+                    group.arrival_time_s,
+                    group.cache_salt,
+                    priority=group.priority,
                 )
                 added.append(request_id)
                 self._tracked[request_id] = TrackedRequest(group, index, len(prompt))
@@ -431,6 +438,7 @@ class AsyncLLMEngine:
         self.metrics.set_load(
             len(scheduler.running), len(scheduler.waiting), self.engine.kv_cache_manager.usage
         )
+        self.metrics.set_waiting_by_priority(scheduler.num_waiting_by_priority())
         now_s = time.monotonic()
         if force_saturation or now_s - self._last_saturation_read_s >= _SATURATION_REFRESH_S:
             self._last_saturation_read_s = now_s

@@ -40,11 +40,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt, in order.
 
         A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids" and
         optionally "cache_salt" (requests with different salts never share cached KV blocks).
+        `priority` (one per prompt, lower first) needs scheduling_policy="priority", as in vLLM.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -59,7 +61,11 @@ class LLM:
                 raise ValueError(
                     f"got {len(prompts)} prompts but {len(params_list)} sampling params"
                 )
-        return self._run([_as_engine_prompt(p) for p in prompts], params_list, use_tqdm)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
+        engine_prompts = [_as_engine_prompt(p) for p in prompts]
+        return self._run(engine_prompts, params_list, use_tqdm, priorities)
 
     def chat(
         self,
@@ -107,18 +113,22 @@ class LLM:
         prompts: list[tuple[str | list[int], str | None]],
         params: list[SamplingParams],
         use_tqdm: bool,
+        priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         # Validate every prompt before queuing any, so a bad one leaves nothing half-run.
         ids = []
         try:
-            for (prompt, cache_salt), p in zip(prompts, params):
-                ids.append(engine.add_request(prompt, p, cache_salt=cache_salt))
+            for i, ((prompt, cache_salt), p) in enumerate(zip(prompts, params)):
+                priority = 0 if priorities is None else priorities[i]
+                ids.append(engine.add_request(prompt, p, cache_salt=cache_salt, priority=priority))
         except ValueError:
             engine.abort_request(ids)
             raise
         results: dict[str, RequestOutput] = {}
-        bar = progress_bar(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
+        bar = progress_bar(
+            total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2
+        )
         try:
             while len(results) < len(ids):
                 for out in engine.step():

@@ -49,12 +49,14 @@ class RequestGroup:
         loop: asyncio.AbstractEventLoop,
         engine: AsyncLLMEngine,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         assert len(prompts) == len(params) > 0
         self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.prompts = list(prompts)
         self.params = list(params)
         self.cache_salt = cache_salt
+        self.priority = priority
         self.arrival_time_s = time.monotonic()
         self._loop = loop
         self._engine = engine

@@ -271,6 +271,10 @@ class StepRecorder:
             is_busy = num_running or num_waiting
             record.update(self._window.rates(now_s) if is_busy else idle_rates())
             record.update(snapshot.kv_state(engine, self._slots))
+            if engine.scheduler_config.policy == "priority":
+                record["waiting_by_priority"] = sorted(
+                    engine.scheduler.num_waiting_by_priority().items()
+                )
             if engine.kv_spec.is_fp8 and now_s - self._last_saturation_s >= SLOW_FIGURES_INTERVAL_S:
                 self._last_saturation_s = now_s
                 record["saturated"] = engine.kv_saturation_counts()

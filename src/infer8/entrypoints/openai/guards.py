@@ -15,7 +15,7 @@ from infer8.entrypoints.async_engine import AsyncLLMEngine
 from infer8.entrypoints.openai.protocol import APIError
 
 # Paths that start work: refused at once (before parsing) when overloaded or draining.
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 _DRAINED_PATHS = GENERATE_PATHS | {"/tokenize", "/detokenize"}
 # Pages of the web console get a content security policy: scripts and connections to this
 # origin only; inline style attributes allowed (the pages' legends use them).
@@ -96,7 +96,8 @@ class APIKeyMiddleware:
     """Refuses requests without `Authorization: Bearer <key>` for one of the keys.
 
     The matched key's tenant (a salt, not the key) goes to `request.state.tenant`, so that
-    tenants never share prefix-cache blocks unless `share_prefix_cache` is set.
+    tenants never share prefix-cache blocks unless `share_prefix_cache` is set; the same salt
+    goes to `request.state.key_id` whatever that setting (stored responses are per key).
     """
 
     def __init__(
@@ -108,10 +109,8 @@ class APIKeyMiddleware:
     ) -> None:
         self.app = app
         self.public_paths = public_paths
-        self.expected = [
-            (f"Bearer {key}".encode(), None if share_prefix_cache else tenant_of(key))
-            for key in api_keys
-        ]
+        self.share_prefix_cache = share_prefix_cache
+        self.expected = [(f"Bearer {key}".encode(), tenant_of(key)) for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.public_paths:
@@ -119,10 +118,10 @@ class APIKeyMiddleware:
             return
         given = Headers(scope=scope).get("authorization", "").encode()
         found = False
-        tenant: str | None = None
+        key_id: str | None = None
         for expected, salt in self.expected:  # every key compared: no timing by position
             if secrets.compare_digest(given, expected):
-                found, tenant = True, salt
+                found, key_id = True, salt
         if not found:
             response = error_response(
                 401,
@@ -131,7 +130,9 @@ class APIKeyMiddleware:
             )
             await response(scope, receive, send)
             return
-        scope.setdefault("state", {})["tenant"] = tenant
+        state = scope.setdefault("state", {})
+        state["tenant"] = None if self.share_prefix_cache else key_id
+        state["key_id"] = key_id
         await self.app(scope, receive, send)
 
 

@@ -99,6 +99,8 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool | None = True
     # Prefix caching: requests with different salts never share cached KV blocks (tenants).
     cache_salt: str | None = None
+    # Under --scheduling-policy priority, lower values are scheduled first; fcfs takes only 0.
+    priority: int = Field(0, ge=_INT64_MIN, le=_INT64_MAX)
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs extra body.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -88,9 +88,10 @@ def _check_fan_out(data: dict[str, Any]) -> None:
             f"this request fans out into {num_sequences} sequences (prompts x n); "
             f"the limit is {MAX_ENGINE_REQUESTS_PER_API_REQUEST}"
         )
-    messages = data.get("messages")
-    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
-        raise ValueError(f"messages has {len(messages)} messages; the limit is {MAX_MESSAGES}")
+    for name in ("messages", "input"):  # chat messages, Responses input items
+        messages = data.get(name)
+        if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+            raise ValueError(f"{name} has {len(messages)} items; the limit is {MAX_MESSAGES}")
 
 
 def _walk(data: Any) -> None:

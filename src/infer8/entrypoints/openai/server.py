@@ -50,6 +50,7 @@ from infer8.entrypoints.openai.request_limits import (
 from infer8.entrypoints.openai.serving import WorkPool
 from infer8.entrypoints.openai.serving_chat import OpenAIServingChat
 from infer8.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from infer8.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from infer8.entrypoints.openai.vllm_compat import parse_json_list
 from infer8.entrypoints.request_group import EngineDeadError, RequestGroup
 from infer8.entrypoints.sse import SSEResponse, wait_for_disconnect
@@ -238,6 +239,8 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
         finally:
             sub.group.abort()
         return _json_or_gone(result)
+
+    add_responses_routes(app, OpenAIServingResponses(chat))  # /v1/responses and its store
 
     if config.enable_server_dev_mode:  # admin endpoints, as vLLM's VLLM_SERVER_DEV_MODE
 

@@ -71,6 +71,7 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.default_sampling = engine.default_sampling  # the model's generation config
+        self.scheduling_policy = engine.scheduler_config.policy
         # Tokenization and templating run here, off the event loop, on at most all cores but one:
         # a flood of huge prompts then never takes the core the event loop and engine need.
         # The completion and chat servings share one pool (`pool`, the other's).
@@ -117,6 +118,16 @@ class OpenAIServing:
             )
         return room if requested is None else requested
 
+    def check_priority(self, priority: int) -> None:
+        """Refuse a non-zero priority unless --scheduling-policy priority (400, as vLLM does)."""
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise APIError(
+                400,
+                f"priority {priority} needs --scheduling-policy priority; this server schedules "
+                "first come, first served (fcfs), where only priority 0 is accepted",
+                param="priority",
+            )
+
     def _params(
         self,
         request: CompletionRequest | ChatCompletionRequest,
@@ -124,6 +135,7 @@ class OpenAIServing:
         logprobs: int | None,
         choice: int,
     ) -> SamplingParams:
+        self.check_priority(request.priority)
         try:
             params = request.sampling_params(
                 max_tokens, logprobs, seed_offset=choice, defaults=self.default_sampling
@@ -151,11 +163,15 @@ class OpenAIServing:
         cache_salt: str | None,
         loop: asyncio.AbstractEventLoop,
         tenant: str | None = None,
+        priority: int = 0,
     ) -> tuple[str, RequestGroup]:
         request_id = f"{kind}-{uuid.uuid4().hex}"
         cache_salt = tenant_salt(tenant, cache_salt)
+        self.check_priority(priority)
         try:
-            group = self.engine_client.add_requests(request_id, prompts, params, cache_salt, loop)
+            group = self.engine_client.add_requests(
+                request_id, prompts, params, cache_salt, loop, priority=priority
+            )
         except EngineOverloadedError as e:
             if self.engine_client.metrics is not None:
                 self.engine_client.metrics.on_rejected()

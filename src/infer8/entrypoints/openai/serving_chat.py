@@ -101,8 +101,9 @@ class OpenAIServingChat(OpenAIServing):
         for p in params:
             p.structured_outputs = constraint
         request_id, group = self._submit(
-            "chatcmpl", [token_ids] * n, params, request.cache_salt, loop, tenant
-        )
+            "chatcmpl", [token_ids] * n, params, request.cache_salt, loop, tenant,
+            priority=request.priority,
+        )  # fmt: skip
         return Submission(request_id, group, len(token_ids), *usage_flags(request), tools=tools)
 
     async def chat(self, request: ChatCompletionRequest, sub: Submission) -> ChatCompletionResponse:

@@ -72,7 +72,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     echo_texts.append(
                         text if text is not None else self.tokenizer.decode(token_ids)
                     )
-        request_id, group = self._submit("cmpl", prompts, params, request.cache_salt, loop, tenant)
+        request_id, group = self._submit(
+            "cmpl", prompts, params, request.cache_salt, loop, tenant, priority=request.priority
+        )
         return Submission(
             request_id,
             group,

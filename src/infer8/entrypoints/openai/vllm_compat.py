@@ -168,12 +168,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
         ok_values=("native",),
     ),
     CompatFlag(
-        "--scheduling-policy",
-        "refused",
-        "infer8 schedules first come, first served",
-        ok_values=("fcfs",),
-    ),
-    CompatFlag(
         "--distributed-executor-backend",
         "refused",
         "tensor-parallel ranks are processes (mp) or torchrun-launched; Ray is not supported",
@@ -258,6 +252,11 @@ NATIVE_FLAGS: tuple[tuple[str, str], ...] = (
         "there and copied back on a hit",
     ),
     ("--max-num-seqs, --max-num-batched-tokens", "as in vLLM"),
+    (
+        "--scheduling-policy",
+        "as in vLLM: fcfs (default), or priority: requests' `priority` field (lower first, "
+        "then arrival) orders admission and preemption; a non-zero priority under fcfs is a 400",
+    ),
     ("--tensor-parallel-size, -tp", "one process per device"),
     (
         "--kv-events-config",

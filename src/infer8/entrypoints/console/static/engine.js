@@ -102,6 +102,9 @@ function onStep(record) {
   document.body.dataset.records = String(view.numRecords);
   $("stat-running").textContent = record.running;
   $("stat-waiting").textContent = record.waiting;
+  // --scheduling-policy priority: the queue by priority, lowest value (first to run) first
+  const byPriority = (record.waiting_by_priority || []).map(([p, n]) => "p" + p + ": " + n);
+  $("stat-waiting-sub").textContent = byPriority.length ? byPriority.join(" · ") : "queued";
   $("stat-preempted").textContent = record.preempted;
   $("stat-preemptions").textContent = view.numPreemptions + " preemptions";
   const total = record.kv_total;
