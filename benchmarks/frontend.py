@@ -19,6 +19,21 @@ machine (the server keeps the CPU when both want it).
 --abuse adds, per request that once stalled the server (a 15 MB /tokenize prompt, 2,000,000
 prompts, 500,000 messages, a JSON schema nested 50,000 levels), /health's latency while one
 client process posts it in a loop.
+
+--empty-lists: /health (a new connection per probe, as a kubelet's) while 2 client processes
+post `{"prompt": [[], [], ...]}` with 1,570,000 empty lists (4.7 MB, under the default cap)
+in a loop for 10 s.
+--stalled-bodies: /health while one process holds 4,100 connections that each sent the head
+of a 100-byte POST and 1 byte of it (a socket the server closes is opened again, 0.1 s
+after a 503) for 25 s,
+then closes all it holds at once; /health is polled 5 s more. Reports the probes' statuses,
+the answers the stalled sockets got, and the bytes and tracebacks the server logged.
+--costly-inputs: /health (a new connection per probe) while one client process posts, in a
+loop for 8 s each, a grammar or template that once cost seconds to minutes before its 400: a
+guided_regex of 100,000 alternations, 60,000 guided_choice entries, 10,000 tools with
+tool_choice "required", a regex whose compile runs past the time limit, and a chat request
+to a server started with --chat-template of two nested 100,000-step loops.
+Each of these runs alone (with none, the default measurements run).
 """
 
 from __future__ import annotations
@@ -43,11 +58,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str | None, port: int, extra: list[str]) -> subprocess.Popen[bytes]:
+def start_server(
+    model: str | None, port: int, extra: list[str], log_path: str | None = None
+) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "infer8.cli", "serve"]
     argv += ([model] if model else []) + ["--host", "127.0.0.1", "--port", str(port)]
     argv += ["--uvicorn-log-level", "warning", *extra]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(argv, stdout=log, stderr=log)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         assert proc.poll() is None, "server exited"
@@ -224,6 +242,203 @@ def bare_server(port: int) -> subprocess.Popen[bytes]:
     raise RuntimeError("the bare server did not start")
 
 
+EMPTY_LISTS_BODY = b'{"prompt":[' + b",".join([b"[]"] * 1_570_000) + b"]}"
+
+
+def health_under_empty_lists(url: str, duration_s: float = 10.0) -> dict[str, object]:
+    """Return /health's latency and statuses while 2 processes post EMPTY_LISTS_BODY."""
+    ctx = multiprocessing.get_context("spawn")
+    args = (url, "/v1/completions", EMPTY_LISTS_BODY, duration_s + 1.0)
+    posters = [ctx.Process(target=_post_loop, args=args) for _ in range(2)]
+    for p in posters:
+        p.start()
+    time.sleep(1.0)
+    result = _probe_health(url, time.monotonic() + duration_s)
+    for p in posters:
+        p.join()
+        assert p.exitcode == 0
+    return result
+
+
+def _probe_health(url: str, end: float) -> dict[str, object]:
+    """Probe /health every 20 ms until `end` (monotonic), a new connection each, as a kubelet."""
+    host, port = url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+    latencies, statuses = [], {}
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        try:
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(request)
+                response = b""
+                while chunk := sock.recv(65536):
+                    response += chunk
+            status = response[9:12].decode("latin-1") or "closed"
+        except OSError as e:
+            status = type(e).__name__
+        latencies.append(time.perf_counter() - start)
+        statuses[status] = statuses.get(status, 0) + 1
+        time.sleep(0.02)
+    return {**percentiles(latencies), "statuses": statuses}
+
+
+STALLED_HEAD = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 100\r\n\r\n{"
+)
+
+
+async def _hold_stalled(port: int, num_sockets: int, end: float) -> dict[str, object]:
+    answers: dict[str, int] = {}
+    lifetimes: list[float] = []
+    held: list[asyncio.StreamWriter] = []
+
+    async def one() -> None:
+        while time.monotonic() < end:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.1)
+                continue
+            opened = time.monotonic()
+            writer.write(STALLED_HEAD)
+            held.append(writer)
+            try:
+                line = await asyncio.wait_for(reader.read(12), max(0.0, end - opened))
+            except (TimeoutError, OSError):
+                return  # still open at the end (or reset): closed with the others below
+            held.remove(writer)
+            lifetimes.append(time.monotonic() - opened)
+            answer = line.decode("latin-1")[9:12] if line else "closed"
+            answers[answer] = answers.get(answer, 0) + 1
+            writer.close()
+            if answer == "503":  # the server is full: retry soon, not in a tight loop
+                await asyncio.sleep(0.1)
+
+    await asyncio.gather(*(one() for _ in range(num_sockets)))
+    for writer in held:  # all at once
+        writer.transport.abort()
+    return {
+        "answers": answers,
+        "num_open_at_end": len(held),
+        "max_lifetime_s": max(lifetimes, default=0.0),
+    }
+
+
+def _stalled_process(port: int, num_sockets: int, end: float, queue: multiprocessing.Queue) -> None:
+    queue.put(asyncio.run(_hold_stalled(port, num_sockets, end)))
+
+
+def health_under_stalled_bodies(
+    model: str | None, num_sockets: int = 4100, hold_s: float = 25.0, after_s: float = 5.0
+) -> dict[str, object]:
+    """Return /health while num_sockets stall their bodies, and after they all close at once."""
+    port = _free_port()
+    log_path = f"/tmp/frontend-stalled-{port}.log"
+    kv = ["--kv-cache-memory-bytes", str(256 << 20)]
+    server = start_server(model, port, kv, log_path=log_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        end = time.monotonic() + 2.0 + hold_s
+        holder = ctx.Process(target=_stalled_process, args=(port, num_sockets, end, queue))
+        holder.start()
+        time.sleep(2.0)  # the sockets connect
+        during = _probe_health(url, end)
+        after = _probe_health(url, end + after_s)
+        sockets = queue.get(timeout=60)
+        holder.join()
+    finally:
+        server.terminate()
+        server.wait()
+    with open(log_path, "rb") as f:
+        log = f.read()
+    return {
+        "health_while_held": during,
+        "health_after_closing_all": after,
+        "stalled_sockets": sockets,
+        "server_log_bytes": len(log),
+        "server_log_tracebacks": log.count(b"Traceback"),
+    }
+
+
+RUNAWAY_TEMPLATE = (
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+)
+_HI = [{"role": "user", "content": "hi"}]
+_TOOLS = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(10_000)]
+COSTLY = {
+    "regex_100k_alternations": (
+        "/v1/completions",
+        {
+            "prompt": "hi",
+            "max_tokens": 1,
+            "guided_regex": "|".join(f"w{i}" for i in range(100_000)),
+        },
+    ),
+    "choice_60k": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 1, "guided_choice": [f"c{i}" for i in range(60_000)]},
+    ),
+    "tools_10k_required": (
+        "/v1/chat/completions",
+        {"messages": _HI, "max_tokens": 1, "tools": _TOOLS, "tool_choice": "required"},
+    ),
+    # 400 characters that take seconds to compile: only the compile's time limit stops it.
+    "regex_past_the_time_limit": (
+        "/v1/completions",
+        {
+            "prompt": "hi",
+            "max_tokens": 1,
+            "guided_regex": "".join(f".{{0,{1000 + i}}}{chr(97 + i % 26)}" for i in range(40)),
+        },
+    ),
+    "runaway_chat_template": ("/v1/chat/completions", {"messages": _HI, "max_tokens": 1}),
+}
+
+
+def health_under_costly_inputs(model: str | None, duration_s: float = 8.0) -> dict[str, object]:
+    """Return /health's latency and statuses while each COSTLY body is posted in a loop, and
+    how many 400s the poster got, on a server whose chat template runs away."""
+    port = _free_port()
+    extra = ["--kv-cache-memory-bytes", str(256 << 20), "--chat-template", RUNAWAY_TEMPLATE]
+    server = start_server(model, port, extra)
+    url = f"http://127.0.0.1:{port}"
+    results: dict[str, object] = {}
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        for name, (path, body) in COSTLY.items():
+            raw = json.dumps(body).encode()
+            queue = ctx.Queue()
+            poster = ctx.Process(target=_count_loop, args=(url, path, raw, duration_s + 1.0, queue))
+            poster.start()
+            time.sleep(1.0)
+            results[name] = {
+                **_probe_health(url, time.monotonic() + duration_s),
+                "answers": queue.get(timeout=120),
+            }
+            poster.join()
+    finally:
+        server.terminate()
+        server.wait()
+    return results
+
+
+def _count_loop(
+    url: str, path: str, body: bytes, seconds: float, queue: multiprocessing.Queue
+) -> None:
+    """Post one body in a loop for `seconds` and put {status: count} on the queue."""
+    headers = {"Content-Type": "application/json"}
+    end = time.monotonic() + seconds
+    answers: dict[int, int] = {}
+    with httpx.Client(timeout=120) as client:
+        while time.monotonic() < end:
+            status = client.post(f"{url}{path}", content=body, headers=headers).status_code
+            answers[status] = answers.get(status, 0) + 1
+    queue.put(answers)
+
+
 def _report(results: dict[str, object], out: str | None) -> None:
     """Print the results (and write them to `out`), then exit at once."""
     print(json.dumps(results, indent=2))
@@ -240,7 +455,31 @@ def main() -> None:
     parser.add_argument("--client-nice", type=int, default=0, help="nice of the load generators")
     parser.add_argument("--abuse", action="store_true", help="also /health under ABUSE bodies")
     parser.add_argument("--abuse-only", action="store_true", help="only the ABUSE measurements")
+    parser.add_argument("--empty-lists", action="store_true", help="only /health under [] x 1.57M")
+    parser.add_argument(
+        "--stalled-bodies", action="store_true", help="only /health under 4,100 stalled bodies"
+    )
+    parser.add_argument(
+        "--costly-inputs", action="store_true", help="only /health under costly grammars/templates"
+    )
     args = parser.parse_args()
+    if args.empty_lists or args.stalled_bodies or args.costly_inputs:
+        results: dict[str, object] = {"load_average": os.getloadavg()}
+        if args.empty_lists:
+            port = _free_port()
+            server = start_server(args.model, port, ["--kv-cache-memory-bytes", str(256 << 20)])
+            try:
+                results["health_under_empty_lists"] = health_under_empty_lists(
+                    f"http://127.0.0.1:{port}"
+                )
+            finally:
+                server.terminate()
+                server.wait()
+        if args.stalled_bodies:
+            results["stalled_bodies"] = health_under_stalled_bodies(args.model)
+        if args.costly_inputs:
+            results["costly_inputs"] = health_under_costly_inputs(args.model)
+        _report(results, args.out)
     if args.abuse_only:
         port = _free_port()
         server = start_server(args.model, port, ["--kv-cache-memory-bytes", str(256 << 20)])
@@ -251,7 +490,7 @@ def main() -> None:
             server.terminate()
             server.wait()
         _report(results, args.out)
-    results: dict[str, object] = {"client_nice": args.client_nice}
+    results = {"client_nice": args.client_nice}
     # Every server starts first, at this process's priority; then the load generators (this
     # process and the flood processes it spawns) drop to --client-nice.
     ports = [_free_port() for _ in range(3)]

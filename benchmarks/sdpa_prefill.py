@@ -44,7 +44,9 @@ def main() -> None:
         out = tiled_attention(q, k, v, tile)
         err = (out.float() - ref[0].float()).abs().max().item()
         t = best_of(lambda tile=tile: tiled_attention(q, k, v, tile))
-        print(f"query tiles of {tile}: {t:.3f} s ({flops / t / 1e9:.0f} GFLOP/s, max error {err:.3g})")
+        print(
+            f"query tiles of {tile}: {t:.3f} s ({flops / t / 1e9:.0f} GFLOP/s, max error {err:.3g})"
+        )
 
 
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int) -> torch.Tensor:
@@ -58,8 +60,13 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int
     for start in range(0, num_tokens, tile):
         end = min(start + tile, num_tokens)
         rows = end - start
-        scores = torch.bmm(qg[:, :, start:end].reshape(num_kv_heads, group * rows, head_dim),
-                           kt[:, :, :end]).float().mul_(head_dim**-0.5)
+        scores = (
+            torch.bmm(
+                qg[:, :, start:end].reshape(num_kv_heads, group * rows, head_dim), kt[:, :, :end]
+            )
+            .float()
+            .mul_(head_dim**-0.5)
+        )
         scores = scores.view(num_kv_heads, group, rows, end)
         future = torch.ones(rows, rows, dtype=torch.bool).triu_(1)
         scores[..., start:end].masked_fill_(future, float("-inf"))

@@ -152,7 +152,9 @@ class RunningServer:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0)
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        text = httpx.get(f"{self.url}/metrics").text
+        # With API keys /metrics needs one (by default); a key sent to an open /metrics is ignored.
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        text = httpx.get(f"{self.url}/metrics", headers=headers).text
         return {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text)
@@ -195,7 +197,8 @@ def start_server(engine: LLMEngine, config: ServerConfig) -> RunningServer:
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    return RunningServer(url, engine, server, thread, config.api_key or "EMPTY")
+    keys = config.api_keys()
+    return RunningServer(url, engine, server, thread, keys[0] if keys else "EMPTY")
 
 
 def stop_server(running: RunningServer) -> None:

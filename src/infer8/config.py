@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -188,11 +189,17 @@ class CacheConfig:
     kv_offloading_size: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kv_offloading_size is not None and not self.kv_offloading_size >= 0:
-            raise ValueError(
-                f"kv_offloading_size (GiB of host memory) must be >= 0, got "
-                f"{self.kv_offloading_size}"
-            )
+        size = self.kv_offloading_size
+        if size is not None:
+            if not 0 <= size < math.inf:  # NaN fails both
+                raise ValueError(
+                    f"kv_offloading_size (GiB of host memory, a finite number) must be >= 0, "
+                    f"got {size}"
+                )
+            if size * _GIB >= 1 << 63:  # no host has it; int() of 1e300 GiB would overflow
+                raise ValueError(
+                    f"kv_offloading_size {size:g} GiB is more memory than any host has"
+                )
         for name in ("kv_cache_exact_tail_tokens", "kv_cache_exact_sink_tokens"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -435,7 +442,7 @@ class EngineArgs:
             kv_cache_exact_sink_tokens=tail.sink_tokens,
             kv_cache_hadamard=tail.hadamard,
         )
-        return EngineConfig(
+        config = EngineConfig(
             dataclasses.replace(model_config, model=model_path),
             cache_config,
             scheduler_config,
@@ -443,6 +450,7 @@ class EngineArgs:
             self.create_kv_events_config(),
             None if self.quantization == "none" else self.quantization,
         )
+        return config
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -28,6 +28,7 @@ from infer8.request import Request, RequestStatus
 from infer8.sampling_params import SamplingParams
 from infer8.structured_output.manager import StructuredOutputManager
 from infer8.tokenizer import Tokenizer
+from infer8.worker.fit_check import check_fits_memory
 
 if TYPE_CHECKING:
     from infer8.models.gguf_loader import GGUFModel
@@ -51,6 +52,9 @@ class LLMEngine:
         # a clear error for a directory without config.json
         hf_config = read_hf_config(Path(model_path)) if gguf is None else gguf.hf_config
         self.config = args.create_engine_config(model_path, hf_config)  # every auto, once
+        # the weights, the CPU's KV budget and the host tier against memory, before any is
+        # allocated (the planner's arithmetic over config.json)
+        check_fits_memory(self.config, hf_config)
         model_config = self.config.model_config
         cache_config, scheduler_config = self.config.cache_config, self.config.scheduler_config
         if args.dtype == "auto" and model_config.dtype == torch.float32:

@@ -5,6 +5,10 @@ threads. glibc keeps what is freed in per-thread arenas (and raises its mmap thr
 each large free), so RSS climbs to the high-water mark of every size ever seen. Two arenas and
 a periodic `malloc_trim(0)` between engine steps give those pages back without touching the hot
 path. Elsewhere than glibc both calls are no-ops.
+
+It also reads how much RAM is available (the kernel's MemAvailable, bounded by the cgroup's
+limit in a container), so that the host KV tier of --kv-offloading-size is refused at start-up
+when it cannot fit beside the model.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+import os
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +26,8 @@ _M_ARENA_MAX = -8  # mallopt parameter numbers in glibc's malloc.h
 _M_MMAP_MAX = -4
 _M_TRIM_THRESHOLD = -1
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (asm-generic/mman-common.h)
+GiB = 1 << 30
+_CGROUP = Path("/sys/fs/cgroup")  # cgroup v2: memory.max and memory.current
 
 
 class HostMemory:
@@ -85,3 +93,51 @@ class HostMemory:
         end = address + nbytes
         end += -end % self._page
         return self._libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+
+
+def available_ram_bytes(meminfo: str | None = None, cgroup: Path = _CGROUP) -> int | None:
+    """Return the RAM this process can still take: MemAvailable (free plus reclaimable page
+    cache), no more than the cgroup's limit leaves; None where neither can be read."""
+    available: int | None = None
+    if meminfo is None:
+        try:
+            meminfo = Path("/proc/meminfo").read_text()
+        except OSError:
+            meminfo = ""
+    for line in meminfo.splitlines():
+        key, _, value = line.partition(":")
+        if key == "MemAvailable" and value.split() and value.split()[0].isdigit():
+            available = int(value.split()[0]) * 1024  # kB
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            pass
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit.isdigit():
+            used = int((cgroup / "memory.current").read_text().strip())
+            left = max(0, int(limit) - used)
+            available = left if available is None else min(available, left)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_host_tier(
+    size_gib: float, model_ram_bytes: int, available_bytes: int | None = None
+) -> None:
+    """Refuse a host KV tier of `size_gib` GiB that RAM cannot hold beside the model's
+    `model_ram_bytes` (weights, activations and KV cache when they live in RAM)."""
+    if available_bytes is None:
+        available_bytes = available_ram_bytes()
+    if available_bytes is None or not size_gib:
+        return
+    room = available_bytes - model_ram_bytes
+    if size_gib * GiB >= room:
+        shown = f"{size_gib:.0f}" if size_gib == int(size_gib) else f"{size_gib:g}"
+        raise ValueError(
+            f"--kv-offloading-size {shown} GiB does not fit in RAM: "
+            f"{available_bytes / GiB:.2f} GiB available, of which the model needs "
+            f"{model_ram_bytes / GiB:.2f} GiB, leaving {max(0, room) / GiB:.2f} GiB for the tier"
+        )

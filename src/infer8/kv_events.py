@@ -17,6 +17,11 @@ bytes. Wire format (vLLM's `vllm/distributed/kv_events.py`, read from its source
   (from a REQ or DEALER socket) with `[seq, payload]` for each buffered batch from start_seq
   on, then `[-1 (8 bytes, signed), b""]`.
 
+The stream carries every request's prompt token ids, whichever API key sent it. So vLLM's
+default endpoint (`tcp://*:5557`) is bound on loopback only, unless subscribers must
+authenticate with ZeroMQ's CURVE (`CurveKeys`: the publisher's certificate and the public keys of
+the subscribers allowed, ZeroMQ's "ironhouse" pattern); any other endpoint is opened as given.
+
 pyzmq and msgspec are imported only when a publisher is built.
 """
 
@@ -29,7 +34,9 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from infer8.config import KVEventsConfig
@@ -38,6 +45,15 @@ from infer8.core import kv_events as records
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# vLLM's default endpoint, and where infer8 binds it without CURVE: KVEventsConfig cannot tell
+# the default from the same value typed, so both mean loopback (`tcp://0.0.0.0:5557` binds every
+# address).
+VLLM_DEFAULT_ENDPOINT = "tcp://*:5557"
+LOOPBACK_ENDPOINT = "tcp://127.0.0.1:5557"
+# infer8's own settings (vLLM has no authenticated transport for its events).
+CURVE_SECRET_KEY_FILE_ENV = "INFER8_KV_EVENTS_CURVE_SECRET_KEY_FILE"
+CURVE_PUBLIC_KEYS_DIR_ENV = "INFER8_KV_EVENTS_CURVE_PUBLIC_KEYS_DIR"
+_LOOPBACK_HOSTS = ("127.", "[::1]", "localhost")
 
 
 class EventPublisher(Protocol):
@@ -153,9 +169,82 @@ def _should_bind(endpoint: str) -> bool:
     return (
         "*" in endpoint
         or "::" in endpoint
+        or endpoint.startswith("tcp://0.0.0.0:")
         or endpoint.startswith("ipc://")
         or endpoint.startswith("inproc://")
     )
+
+
+def resolve_endpoint(endpoint: str, is_authenticated: bool) -> tuple[str, bool]:
+    """Return the endpoint to open and whether to bind it (else connect).
+
+    vLLM's default is bound on loopback unless subscribers must authenticate; any other endpoint
+    is opened as given (bound when it holds a wildcard or is a local transport, as vLLM does).
+    """
+    if endpoint == VLLM_DEFAULT_ENDPOINT and not is_authenticated:
+        return LOOPBACK_ENDPOINT, True
+    return endpoint, _should_bind(endpoint)
+
+
+def _is_local(endpoint: str) -> bool:
+    """Return whether only this host can reach the endpoint (loopback TCP, ipc, inproc)."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    return endpoint.startswith("tcp://") and endpoint[6:].startswith(_LOOPBACK_HOSTS)
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """ZeroMQ CURVE for the event sockets: the publisher's certificate, the subscribers allowed.
+
+    `secret_key_file` is a certificate as `zmq.auth.create_certificates` writes it (the
+    `.key_secret` file: public and secret key); `public_keys_dir` holds the `.key` certificate
+    of each subscriber allowed to connect. A peer without CURVE, or with a key not in the
+    directory, completes no handshake and receives nothing.
+    """
+
+    secret_key_file: str
+    public_keys_dir: str
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> CurveKeys | None:
+        """Return the keys named by the INFER8_KV_EVENTS_CURVE_* variables (None: no CURVE)."""
+        secret = environ.get(CURVE_SECRET_KEY_FILE_ENV, "")
+        public = environ.get(CURVE_PUBLIC_KEYS_DIR_ENV, "")
+        if not secret and not public:
+            return None
+        if not secret or not public:
+            raise ValueError(
+                f"KV events over CURVE need both {CURVE_SECRET_KEY_FILE_ENV} (the publisher's "
+                f"certificate) and {CURVE_PUBLIC_KEYS_DIR_ENV} (the subscribers' public keys)"
+            )
+        return cls(secret, public)
+
+    def load(self) -> tuple[bytes, bytes]:
+        """Return the publisher's (public, secret) key; ValueError if either place is unusable."""
+        import zmq
+        import zmq.auth
+
+        if not zmq.has("curve"):
+            raise ValueError("KV events over CURVE: this libzmq was built without CURVE")
+        try:
+            public, secret = zmq.auth.load_certificate(self.secret_key_file)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"{CURVE_SECRET_KEY_FILE_ENV}: cannot read {self.secret_key_file}: {e}"
+            ) from None
+        if secret is None:
+            raise ValueError(
+                f"{CURVE_SECRET_KEY_FILE_ENV}: {self.secret_key_file} holds no secret key "
+                "(give the .key_secret file)"
+            )
+        keys_dir = Path(self.public_keys_dir)
+        if not keys_dir.is_dir() or not any(keys_dir.glob("*.key")):
+            raise ValueError(
+                f"{CURVE_PUBLIC_KEYS_DIR_ENV}: {self.public_keys_dir} holds no subscriber's "
+                "public key (*.key)"
+            )
+        return public, secret
 
 
 _Batch = tuple[Sequence[records.KVCacheEvent], float]
@@ -178,6 +267,7 @@ class ZmqEventPublisher:
         config: KVEventsConfig,
         use_int_block_hashes: bool = True,
         data_parallel_rank: int = 0,
+        curve: CurveKeys | None = None,
     ) -> None:
         import zmq
 
@@ -186,21 +276,28 @@ class ZmqEventPublisher:
         self._topic = config.topic.encode("utf-8")
         self._queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        server_keys = None if curve is None else curve.load()  # before any socket or thread
+        endpoint, should_bind = resolve_endpoint(config.endpoint, curve is not None)
         self._ctx = zmq.Context()
+        self._auth: Any = None
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: Any = None
         try:
+            if curve is not None:
+                self._start_authenticator(curve.public_keys_dir)
+            _make_curve_server(self._pub, server_keys)
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
-            if _should_bind(config.endpoint):
-                self._pub.bind(config.endpoint)
+            if should_bind:
+                self._pub.bind(endpoint)
             else:
-                self._pub.connect(config.endpoint)
+                self._pub.connect(endpoint)
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                _make_curve_server(self._replay, server_keys)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
-            raise ValueError(f"--kv-events-config: cannot open {config.endpoint}: {e}") from e
+            raise ValueError(f"--kv-events-config: cannot open {endpoint}: {e}") from e
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = (
             None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -208,7 +305,36 @@ class ZmqEventPublisher:
         self._is_closed = False
         self._thread = threading.Thread(target=self._run, name="infer8-kv-events", daemon=True)
         self._thread.start()
-        logger.info("publishing KV cache events on %s", self.endpoint)
+        self._log_exposure(config.endpoint, curve is not None, should_bind)
+
+    def _start_authenticator(self, public_keys_dir: str) -> None:
+        """Start ZeroMQ's authenticator: only CURVE peers whose key is in the directory pass."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self._auth = ThreadAuthenticator(self._ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=public_keys_dir)
+
+    def _log_exposure(self, configured: str, is_authenticated: bool, is_bound: bool) -> None:
+        """Say where events go and, when anyone who reaches a socket may read them, so."""
+        opened = [self.endpoint] + ([self.replay_endpoint] if self.replay_endpoint else [])
+        how = "CURVE-authenticated subscribers only" if is_authenticated else "no authentication"
+        logger.info("publishing KV cache events on %s (%s)", ", ".join(opened), how)
+        if configured == VLLM_DEFAULT_ENDPOINT and not is_authenticated:
+            logger.info(
+                "KV events: %s (vLLM's default) is bound on loopback only, since the events carry "
+                "every prompt's token ids; to publish beyond this host set %s and %s, or name "
+                "the address (e.g. tcp://0.0.0.0:5557)",
+                VLLM_DEFAULT_ENDPOINT, CURVE_SECRET_KEY_FILE_ENV, CURVE_PUBLIC_KEYS_DIR_ENV,
+            )  # fmt: skip
+        listening = opened if is_bound else opened[1:]  # a connected socket sends to one peer
+        exposed = [e for e in listening if not _is_local(e)]
+        if exposed and not is_authenticated:
+            logger.warning(
+                "KV events on %s are unauthenticated: whoever reaches it reads every request's "
+                "prompt token ids; set %s and %s to require CURVE keys",
+                ", ".join(exposed), CURVE_SECRET_KEY_FILE_ENV, CURVE_PUBLIC_KEYS_DIR_ENV,
+            )  # fmt: skip
 
     def publish(self, events: Sequence[records.KVCacheEvent], ts: float) -> None:
         """Queue one step's events for the thread (waits only if it is far behind)."""
@@ -232,6 +358,8 @@ class ZmqEventPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     def _run(self) -> None:
@@ -277,8 +405,17 @@ def use_int_block_hashes_from_env() -> bool:
     return bool(int(os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")))
 
 
+def _make_curve_server(sock: Any, keys: tuple[bytes, bytes] | None) -> None:
+    """Make a socket the CURVE server side with (public, secret) keys; None: no CURVE."""
+    if keys is not None:  # set before the socket binds or connects
+        sock.curve_publickey, sock.curve_secretkey = keys
+        sock.curve_server = True
+
+
 def create_event_publisher(config: KVEventsConfig) -> EventPublisher:
     """Return the publisher `config` asks for (a no-op one unless events are enabled)."""
     if not config.is_enabled:
         return NullEventPublisher()
-    return ZmqEventPublisher(config, use_int_block_hashes=use_int_block_hashes_from_env())
+    return ZmqEventPublisher(
+        config, use_int_block_hashes=use_int_block_hashes_from_env(), curve=CurveKeys.from_env()
+    )

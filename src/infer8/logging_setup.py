@@ -52,3 +52,38 @@ def only_warnings() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+class RateLimitedLog:
+    """Log at most `burst` lines of one kind per `window_s`; count the rest, and say how many
+    with the first line of a later window. A flood of clients (4,000 sockets timing out at
+    once) then writes a few lines, not thousands, and the event loop does not stall on them.
+
+    Not thread-safe: one per event loop.
+    """
+
+    def __init__(
+        self, logger: logging.Logger, what: str, burst: int = 10, window_s: float = 10.0
+    ) -> None:
+        self.logger = logger
+        self.what = what  # "slow request bodies closed": the kind, for the summary line
+        self.burst = burst
+        self.window_s = window_s
+        self.window_start_s = float("-inf")
+        self.num_in_window = 0
+        self.num_suppressed = 0
+
+    def info(self, now_s: float, msg: str, *args: object) -> None:
+        """Log msg % args at INFO unless this window's burst is spent."""
+        if now_s - self.window_start_s >= self.window_s:
+            if self.num_suppressed:
+                self.logger.info(
+                    "%d more %s not logged in the %.0f s before this line",
+                    self.num_suppressed, self.what, now_s - self.window_start_s,
+                )  # fmt: skip
+            self.window_start_s, self.num_in_window, self.num_suppressed = now_s, 0, 0
+        self.num_in_window += 1
+        if self.num_in_window <= self.burst:
+            self.logger.info(msg, *args)
+        else:
+            self.num_suppressed += 1

@@ -124,7 +124,18 @@ def test_the_default_body_cap_follows_the_context_and_refuses_before_reading(
                 )
                 assert response.status_code == 413, response.text
                 assert "--max-request-body-bytes" in response.json()["error"]["message"]
-        assert probe.p99_s() < 0.25, sorted(probe.latencies_s)[-5:]
+        # A single stall of the machine can be one probe's 0.5 s: the median tells a loop
+        # that parsed each body (every probe behind one) from one that did not.
+        assert statistics.median(probe.latencies_s) < 0.1, sorted(probe.latencies_s)[-5:]
+        # Refused from the head alone: a client that sends no byte of its body gets the 413.
+        with socket.create_connection(
+            ("127.0.0.1", int(running.url.rsplit(":", 1)[1])), timeout=30
+        ) as sock:
+            sock.sendall(
+                f"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                f"\r\nContent-Length: {limit + 1}\r\n\r\n".encode()
+            )
+            assert sock.recv(12).startswith(b"HTTP/1.1 413"), "a 413 before the body"
         # a body under the cap gets through to the length check (a 400, not a 413)
         under = json.dumps({"prompt": "ab " * (engine.max_model_len * 8)})
         assert len(under) < limit

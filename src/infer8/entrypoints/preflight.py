@@ -1,7 +1,9 @@
 """Checks that run before any model is loaded (or fetched): one clear line each, never a traceback.
 
 `infer8 serve` calls `preflight()` first: a wrong device, an impossible tensor-parallel size, a
-port in use or bad sampling defaults are reported in a second, not after minutes of loading.
+port in use, bad sampling defaults, a malformed config.json or safetensors header, or a model
+or --kv-offloading-size that memory cannot hold are reported in a second, not after minutes of
+loading.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from infer8.config import EngineArgs, resolve_device
 from infer8.distributed.sharding import check_tensor_parallel_size
 from infer8.generation_config import sampling_defaults
 from infer8.models.llama import LlamaArchConfig
+from infer8.models.safetensors_check import check_num_layers, check_safetensors_files
 from infer8.sampling_params import SamplingParams
+from infer8.worker.fit_check import check_fits_memory
 
 # The default model's config.json (SmolLM2-135M-Instruct), so its checks need no download.
 DEFAULT_MODEL_CONFIG: dict[str, Any] = {
@@ -75,6 +79,13 @@ def model_hf_config(model: str | None) -> dict[str, Any]:
     return gguf_hf_config(path)
 
 
+def check_checkpoint(model_dir: Path, arch: LlamaArchConfig) -> None:
+    """Check every *.safetensors header against its file and the layer count against the
+    config (headers only: a corrupt or mismatched shard fails in a second, by name)."""
+    headers = check_safetensors_files(model_dir)
+    check_num_layers(headers, arch.num_hidden_layers, model_dir / "config.json")
+
+
 def check_port(host: str, port: int) -> socket.socket:
     """Bind the server's socket now (no race with the load); raise ValueError if taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -115,6 +126,11 @@ def preflight(args: EngineArgs) -> None:
     else:
         defaults = sampling_defaults("", "vllm", args.override_generation_config)
     SamplingParams(**defaults)  # bad values in the generation config fail here
+    if args.model is not None and Path(args.model).is_dir():
+        check_checkpoint(Path(args.model), arch)
+    # the weights (and on CPU the KV budget) against the device, --kv-offloading-size against
+    # the RAM left beside them: arithmetic over config.json, nothing allocated
+    check_fits_memory(resolved.create_engine_config(args.model or "", hf_config), hf_config)
     if args.chat_template is not None and "{" not in args.chat_template:
         if not Path(args.chat_template).is_file():
             raise ValueError(f"--chat-template {args.chat_template!r}: no such file")

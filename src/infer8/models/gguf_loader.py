@@ -10,10 +10,13 @@ header's config is gguf_metadata.py's, the tokenizer gguf_tokenizer.py's.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
+from safetensors import SafetensorError
 from tokenizers import Tokenizer as HFTokenizer
 
 from infer8.models.gguf_metadata import (
@@ -192,14 +196,21 @@ def convert_gguf_to_hf(
     tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex}"
     tmp_dir.mkdir()
     try:
-        _write_json(tmp_dir / "config.json", model.hf_config)
-        (tmp_dir / "tokenizer.json").write_text(model.tokenizer_json, encoding="utf-8")
-        save_file(model.state_dict, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
-        # safetensors creates its file 0600; give it the umask-derived mode of its siblings.
-        shutil.copymode(tmp_dir / "tokenizer.json", tmp_dir / "model.safetensors")
-        _write_json(tmp_dir / "tokenizer_config.json", model.tokenizer_config)
-        generation_config = {**model.generation_config, **(generation_defaults or {})}
-        _write_json(tmp_dir / "generation_config.json", generation_config)
+        state_dict = model.state_dict  # dequantized: what model.safetensors will hold
+        need_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+        with disk_full_as_error(out_dir, need_bytes):
+            _write_json(tmp_dir / "config.json", model.hf_config)
+            (tmp_dir / "tokenizer.json").write_text(model.tokenizer_json, encoding="utf-8")
+            weights_path = tmp_dir / "model.safetensors"
+            try:
+                save_file(state_dict, str(weights_path), metadata={"format": "pt"})
+            except SafetensorError as e:  # the Rust writer's I/O errors, ENOSPC among them
+                raise _as_os_error(e, weights_path) from None
+            # safetensors creates its file 0600; give it the umask-derived mode of its siblings.
+            shutil.copymode(tmp_dir / "tokenizer.json", weights_path)
+            _write_json(tmp_dir / "tokenizer_config.json", model.tokenizer_config)
+            generation_config = {**model.generation_config, **(generation_defaults or {})}
+            _write_json(tmp_dir / "generation_config.json", generation_config)
         _replace_dir(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -302,6 +313,36 @@ def _preview(names: list[str], limit: int = 5) -> str:
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     """Write a dict as indented JSON."""
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def disk_full_as_error(path: Path, need_bytes: int | None = None) -> Iterator[None]:
+    """Answer a full disk (or quota) while writing `path` with one line: the path and the space
+    its file system has free (and what the write needs, when known)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _DISK_FULL_ERRNOS:
+            raise
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        free = shutil.disk_usage(existing).free
+        need = f"; it needs about {need_bytes / (1 << 20):,.0f} MiB" if need_bytes else ""
+        raise RuntimeError(
+            f"no space left to write {path}: {free / (1 << 20):,.1f} MiB free on its file "
+            f"system{need} ({e.strerror or e}); free some space or set INFER8_CACHE elsewhere"
+        ) from None
+
+
+def _as_os_error(error: Exception, path: Path) -> Exception:
+    """Return the OSError a safetensors write error reports ("(os error 28)"), else one line."""
+    match = re.search(r"\(os error (\d+)\)", str(error))
+    if match is None:
+        return RuntimeError(f"cannot write {path}: {error}")
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code), str(path))
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

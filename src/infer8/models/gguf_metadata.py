@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType, ReaderTensor
 
+from infer8.models.config_check import check_hf_config_fields
+
 GGUF_MAGIC = b"GGUF"
 
 # GGUF `general.architecture` -> (Hugging Face architecture class, model_type).
@@ -80,6 +82,8 @@ def build_hf_config(
     hf_architecture, model_type = ARCHITECTURES[arch]
     hidden_size = int(require(metadata, f"{arch}.embedding_length", path))
     num_heads = int(require(metadata, f"{arch}.attention.head_count", path))
+    if num_heads < 1:
+        raise ValueError(f"{path}: {arch}.attention.head_count must be positive, got {num_heads}")
     num_kv_heads = metadata.get(f"{arch}.attention.head_count_kv", num_heads)
     if isinstance(num_kv_heads, list):
         if len(set(num_kv_heads)) != 1:
@@ -131,6 +135,10 @@ def build_hf_config(
     if model_type == "qwen2":
         config["attention_bias"] = True
         config["use_sliding_window"] = False
+    try:
+        check_hf_config_fields(config)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e} (from its {arch}.* metadata)") from None
     return config
 
 

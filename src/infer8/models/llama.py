@@ -16,6 +16,7 @@ from infer8.attention.metadata import AttentionMetadata
 from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.layers.elementwise import ElementwiseOps, TorchElementwise
 from infer8.layers.parallel import lm_head, row_parallel_linear, vocab_embedding
+from infer8.models.config_check import check_hf_config_fields
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class LlamaArchConfig:
                 f"unsupported architecture {arch or cfg.get('model_type')!r}; infer8 supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        check_hf_config_fields(cfg)  # a missing, zero or negative size fails here, by name
         num_heads = cfg["num_attention_heads"]
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")

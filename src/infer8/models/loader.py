@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.distributed.sharding import TensorParallelShard
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
+from infer8.models.safetensors_check import check_num_layers, check_safetensors_files
 
 if TYPE_CHECKING:
     from infer8.models.gguf_loader import GGUFModel
@@ -62,9 +63,16 @@ def read_hf_config(model_path: Path) -> dict[str, Any]:
             "(pass a directory with config.json + *.safetensors, or a .gguf file)"
         )
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(path.read_text())
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, or nested too deep
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    try:  # the architecture and the shape fields, before anything is built from them
+        LlamaArchConfig.from_hf_config(cfg)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    return cfg
 
 
 def read_model_config(model_path: str) -> dict[str, Any]:
@@ -78,14 +86,18 @@ def read_model_config(model_path: str) -> dict[str, Any]:
 
 
 def iter_safetensors(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every shard, memory-mapped (no copy until cast)."""
-    files = sorted(model_path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_path} has no *.safetensors weight files")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    """Yield (name, tensor) from every shard, memory-mapped (no copy until cast).
+
+    Every shard's header is checked first, so a corrupt file is refused, by name, before a
+    single weight is copied.
+    """
+    for file in check_safetensors_files(model_path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:  # what the header check cannot see
+            raise ValueError(f"{file}: {e}") from None
 
 
 def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, int | None] | None:
@@ -192,6 +204,9 @@ def load_model(
         hf_config, weights = gguf.hf_config, gguf.iter_weights(dtype)
     else:
         hf_config = read_hf_config(path)
+        # every shard's header against its file and the config, before a layer is built
+        headers = check_safetensors_files(path)
+        check_num_layers(headers, hf_config["num_hidden_layers"], path / "config.json")
         from infer8.models.fp8_weights import fp8_checkpoint_scheme, load_fp8_model
 
         if fp8_checkpoint_scheme(hf_config) is not None:

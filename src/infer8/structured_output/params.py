@@ -8,6 +8,24 @@ from typing import Any
 
 # Deeper schemas are refused: compilers recurse over them (a C++ stack is no place to find out).
 MAX_SCHEMA_DEPTH = 64
+# Sizes past which a grammar is refused before compiling: compile time and memory grow with them
+# (superlinearly for alternations: 100,000 of them, 1 MB of regex, took 20 s and 270 MB). At
+# these bounds a grammar compiles in under 1 s on a 49k-token vocabulary (2 cores; measured in
+# benchmarks/grammar_flood.py --sizes). What size cannot bound (`.{0,1000}` costs 4 s in 9
+# characters) the compile time limit does (StructuredOutputManager).
+MAX_REGEX_CHARS = 65_536
+MAX_GRAMMAR_CHARS = 65_536
+MAX_CHOICES = 1_000  # OpenAI's limit on enum values in a schema
+MAX_CHOICE_CHARS = 65_536  # all choices together
+MAX_SCHEMA_CHARS = 262_144  # the schema as canonical JSON (128 tools' schemas fit)
+
+
+class GrammarTooLargeError(ValueError):
+    """A constraint past a size limit; `field` names it (json, regex, choice or grammar)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -61,6 +79,31 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured outputs {name} must be a non-empty string")
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """Refuse a constraint too large to compile in bounded time and memory."""
+        limits = {"regex": MAX_REGEX_CHARS, "grammar": MAX_GRAMMAR_CHARS}
+        for name, limit in limits.items():
+            value = getattr(self, name)
+            if value is not None and len(value) > limit:
+                raise GrammarTooLargeError(
+                    name, f"the {name} has {len(value)} characters; the limit is {limit}"
+                )
+        if self.choice is not None:
+            num_chars = sum(len(c) for c in self.choice)
+            if len(self.choice) > MAX_CHOICES or num_chars > MAX_CHOICE_CHARS:
+                raise GrammarTooLargeError(
+                    "choice",
+                    f"the choice list has {len(self.choice)} entries of {num_chars} characters; "
+                    f"the limits are {MAX_CHOICES} entries and {MAX_CHOICE_CHARS} characters",
+                )
+        if self.json is not None and len(self.key) > MAX_SCHEMA_CHARS:
+            raise GrammarTooLargeError(
+                "json",
+                f"the JSON schema has {len(self.key)} characters as JSON; the limit is "
+                f"{MAX_SCHEMA_CHARS}",
+            )
 
     @property
     def kind(self) -> str:

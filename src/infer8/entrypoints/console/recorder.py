@@ -1,8 +1,14 @@
-"""StepRecorder: compact engine-step records for the console, fanned out to streaming viewers."""
+"""StepRecorder: compact engine-step records for the console, fanned out to streaming viewers.
+
+With API keys, a viewer sees its own tenant's requests by id and every other key's as one
+anonymous row (and one colour in the block map): request ids and per-request token counts are
+what another tenant must not learn. Totals (running, tokens, cache use) stay, as on /metrics.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import threading
@@ -11,6 +17,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from infer8.core.sched_output import SchedulerStats
 from infer8.entrypoints.console import snapshot
@@ -31,6 +39,8 @@ SLOW_FIGURES_INTERVAL_S = 1.0
 MAX_QUEUED_RECORDS = 64
 # The view's TTFT and end-to-end percentiles cover at most this many of the latest finished requests.
 MAX_LATENCY_SAMPLES = 1000
+# The label of the row that stands for the requests of other API keys.
+OTHERS_LABEL = "other keys"
 
 
 def sse_event(event: str, data: dict[str, Any]) -> str:
@@ -135,12 +145,59 @@ class RequestLatencies:
         }
 
 
-class _Viewer:
-    """One connected viewer's queue of encoded events."""
+@dataclass
+class StepRecord:
+    """One step record and, per row of its `reqs`, the tenant that sent the request (or None)."""
 
-    def __init__(self) -> None:
+    data: dict[str, Any]
+    owners: list[str | None]
+
+
+def owner_of(request: Request | None) -> str | None:
+    """Return the tenant whose API key sent a request: the first part of its cache salt."""
+    if request is None or request.cache_salt is None:
+        return None
+    return request.cache_salt.split(":", 1)[0]
+
+
+def redacted(record: StepRecord, tenant: str | None) -> dict[str, Any]:
+    """Return the record as one tenant's viewer sees it: other tenants' requests as one row.
+
+    That row (`[slot, "other keys (N)", null, null, num_blocks]`) takes one colour slot that none
+    of the tenant's own requests has, and the block map shows their blocks in it.
+    """
+    data = record.data
+    own, others = [], []
+    for row, owner in zip(data["reqs"], record.owners):
+        (own if tenant is not None and owner == tenant else others).append(row)
+    if not others:
+        return data
+    own_slots = {row[0] for row in own}
+    others_slot = next(s for s in range(snapshot.NUM_OWNER_SLOTS - 1, -1, -1) if s not in own_slots)
+    recolour = np.arange(256, dtype=np.uint8)
+    for slot in {row[0] for row in others} - own_slots:
+        recolour[snapshot.CELL_FIRST_OWNER + slot] = snapshot.CELL_FIRST_OWNER + others_slot
+    cells = recolour[np.frombuffer(base64.b64decode(data["kv"]), dtype=np.uint8)]
+    row = [others_slot, f"{OTHERS_LABEL} ({len(others)})", None, None, sum(r[4] for r in others)]
+    return {**data, "kv": base64.b64encode(cells.tobytes()).decode("ascii"), "reqs": [*own, row]}
+
+
+class _Viewer:
+    """One connected viewer's queue of encoded events, and whose requests it may see by id.
+
+    `is_redacted`: only `tenant`'s requests are shown by id (with API keys); else all are.
+    """
+
+    def __init__(self, tenant: str | None = None, is_redacted: bool = False) -> None:
         self.events: deque[str] = deque(maxlen=MAX_QUEUED_RECORDS)
         self.wakeup = asyncio.Event()
+        self.tenant = tenant
+        self.is_redacted = is_redacted
+
+    def encode(self, record: StepRecord) -> str:
+        """Return the record's step event as this viewer may see it."""
+        data = redacted(record, self.tenant) if self.is_redacted else record.data
+        return sse_event("step", data)
 
     def push(self, text: str) -> None:
         self.events.append(text)
@@ -247,8 +304,8 @@ class StepRecorder:
 
     def build_record(
         self, now_s: float, num_running: int, num_waiting: int, totals: _Totals
-    ) -> dict[str, Any]:
-        """Return one step record (see docs/console.md for the fields)."""
+    ) -> StepRecord:
+        """Return one step record (see docs/console.md for the fields) and its requests' owners."""
         engine = self.engine
         with self._build_lock:
             self._num_records += 1
@@ -278,7 +335,9 @@ class StepRecorder:
             if engine.kv_spec.is_fp8 and now_s - self._last_saturation_s >= SLOW_FIGURES_INTERVAL_S:
                 self._last_saturation_s = now_s
                 record["saturated"] = engine.kv_saturation_counts()
-        return record
+        requests = engine.scheduler.requests
+        owners = [owner_of(requests.get(row[1])) for row in record["reqs"]]
+        return StepRecord(record, owners)
 
     def close(self) -> None:
         """End every viewer's stream (server shutdown: they would never end on their own)."""
@@ -295,12 +354,16 @@ class StepRecorder:
         for viewer in self._viewers:
             viewer.wakeup.set()
 
-    def _publish(self, record: dict[str, Any]) -> None:
+    def _publish(self, record: StepRecord) -> None:
         if not self._viewers:
             return
-        text = sse_event("step", record)
+        # Encoded once per distinct view (every viewer alike without API keys).
+        view_to_text: dict[tuple[str | None, bool], str] = {}
         for viewer in self._viewers:
-            viewer.push(text)
+            view = (viewer.tenant, viewer.is_redacted)
+            if view not in view_to_text:
+                view_to_text[view] = viewer.encode(record)
+            viewer.push(view_to_text[view])
 
     def _figures_event(self) -> str | None:
         """Return the /metrics figures event, computed at most once a second for all viewers."""
@@ -313,9 +376,17 @@ class StepRecorder:
             self._figures = (now_s, sse_event("metrics", figures))
         return self._figures[1]
 
-    async def stream(self, heartbeat_s: float = SLOW_FIGURES_INTERVAL_S) -> AsyncIterator[str]:
-        """Yield server-sent events for one viewer until it is closed: info, step, metrics."""
-        viewer = _Viewer()
+    async def stream(
+        self,
+        heartbeat_s: float = SLOW_FIGURES_INTERVAL_S,
+        tenant: str | None = None,
+        is_redacted: bool = False,
+    ) -> AsyncIterator[str]:
+        """Yield server-sent events for one viewer until it is closed: info, step, metrics.
+
+        With `is_redacted`, requests other than `tenant`'s are shown as one anonymous row.
+        """
+        viewer = _Viewer(tenant, is_redacted)
         self._loop = asyncio.get_running_loop()
         self._viewers.add(viewer)
         self.num_viewers = len(self._viewers)
@@ -329,7 +400,7 @@ class StepRecorder:
             scheduler = self.engine.scheduler
             num_running, num_waiting = len(scheduler.running), len(scheduler.waiting)
             first = self.build_record(self.clock(), num_running, num_waiting, _Totals())
-            yield sse_event("step", first)
+            yield viewer.encode(first)
             last_figures_s = float("-inf")
             while not self._is_closed:
                 if time.monotonic() - last_figures_s >= heartbeat_s:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from infer8.entrypoints.console import snapshot
@@ -72,10 +72,13 @@ def add_console_routes(app: FastAPI, recorder: StepRecorder, is_key_required: bo
         )
 
     @app.get(EVENTS_PATH, include_in_schema=False)
-    async def console_events() -> Response:
+    async def console_events(request: Request) -> Response:
         # Guarded by the API key middleware like every /v1 route: the page reads it with
-        # fetch() and an Authorization header (EventSource cannot send one).
-        return ConsoleEventStream(recorder.stream())
+        # fetch() and an Authorization header (EventSource cannot send one). With keys, the
+        # viewer sees its own tenant's requests by id, others' as one row (none of them by
+        # id when keys share the cache: requests then carry no tenant).
+        tenant = getattr(request.state, "tenant", None)
+        return ConsoleEventStream(recorder.stream(tenant=tenant, is_redacted=is_key_required))
 
     @app.get(DEFAULTS_PATH, include_in_schema=False)
     async def console_defaults() -> Response:

@@ -39,11 +39,16 @@ class ServerConfig:
     api_key: str | tuple[str, ...] | None = None
     api_key_file: str | None = None
     share_prefix_cache_across_api_keys: bool = False
-    metrics_require_api_key: bool = False
+    # With keys, /metrics needs one too (its counters move with every tenant's requests);
+    # --no-metrics-require-api-key opens it for scrapers that send no key.
+    metrics_require_api_key: bool = True
     # Requests accepted but not yet running; beyond it new requests get 503. None: unbounded.
     max_waiting_requests: int | None = None
     # None: 4 MiB + 64 bytes per token of context (request_limits.default_max_body_bytes)
     max_request_body_bytes: int | None = None
+    # Request heads beyond these get 431 (names and values summed; the count of header lines).
+    max_request_header_bytes: int = 64 * 1024
+    max_num_request_headers: int = 100
     shutdown_grace_period_s: float = 25.0
     # A connection must send a request's whole head within this (slow or idle sockets close);
     # an idle keep-alive connection closes after timeout_keep_alive_s (uvicorn's setting).
@@ -67,6 +72,9 @@ class ServerConfig:
     allowed_methods: str = '["*"]'
     allowed_headers: str = '["*"]'
     allow_credentials: bool = False
+    # Host header names served (JSON list; "*" any, "*.example.com" its subdomains); loopback
+    # names always. None: any Host, or loopback names only when `host` is a loopback address.
+    allowed_hosts: str | None = None
     # Tool calling (vLLM's flags): "auto" tool choice parses the model's calls with this parser.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -86,6 +94,9 @@ class ServerConfig:
             raise ValueError(f"limit_concurrency must be >= 1, got {self.limit_concurrency}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        for name in ("max_request_header_bytes", "max_num_request_headers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1:
             raise ValueError(
                 f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}"
@@ -109,6 +120,16 @@ class ServerConfig:
             raise ValueError(
                 f"uvicorn_log_level must be one of {UVICORN_LOG_LEVELS}, "
                 f"got {self.uvicorn_log_level!r}"
+            )
+        if self.allowed_hosts is not None:
+            parse_json_list(self.allowed_hosts, "--allowed-hosts")
+        origins = parse_json_list(self.allowed_origins or "[]", "--allowed-origins")
+        if self.allow_credentials and "*" in origins:
+            # Starlette then echoes any page's origin with credentials allowed: every web page
+            # could call the API as the browser's user and read the answers.
+            raise ValueError(
+                "--allowed-origins '[\"*\"]' with --allow-credentials would let any web page "
+                "send the browser's credentials and read the answers; name the origins instead"
             )
 
     def api_keys(self) -> list[str]:
@@ -138,7 +159,9 @@ _SERVER_HELP: dict[str, str] = {
     "api_key_file": "a file of API keys, one a line (added to --api-key's)",
     "share_prefix_cache_across_api_keys": "let requests under different API keys hit each "
     "other's prefix-cache blocks (a shared cache reveals, by timing, which prompts others sent)",
-    "metrics_require_api_key": "require the API key on /metrics too",
+    "metrics_require_api_key": "with --api-key, require a key on /metrics too (its counters "
+    "move with every key's requests); --no-metrics-require-api-key opens it for Prometheus "
+    "scrapers, which usually send no key",
     "timeout_request_header_s": "close a connection that has not sent a whole request head "
     "within this many seconds (slow or idle clients)",
     "timeout_keep_alive_s": "close an idle keep-alive connection after this many seconds",
@@ -146,6 +169,9 @@ _SERVER_HELP: dict[str, str] = {
     "max_waiting_requests": "bound on accepted requests not yet running; beyond it: 503",
     "max_request_body_bytes": "larger request bodies are refused with 413 (default: 4 MiB plus "
     "64 bytes per token of max_model_len)",
+    "max_request_header_bytes": "requests whose header names and values add up to more bytes "
+    "are refused with 431",
+    "max_num_request_headers": "requests with more header lines are refused with 431",
     "shutdown_grace_period_s": "on SIGTERM, how long in-flight requests may run before abort",
     "uvicorn_log_level": "log level of the HTTP server",
     "engine_step_timeout_s": "an engine step running longer than this makes /health 503, fails "
@@ -163,7 +189,11 @@ _SERVER_HELP: dict[str, str] = {
     "allowed_origins": "CORS: JSON list of allowed origins, e.g. '[\"*\"]'",
     "allowed_methods": "CORS: JSON list of allowed methods",
     "allowed_headers": "CORS: JSON list of allowed headers",
-    "allow_credentials": "CORS: allow credentials",
+    "allow_credentials": "CORS: allow credentials (refused with '[\"*\"]' origins)",
+    "allowed_hosts": "JSON list of Host header names served, e.g. '[\"api.example.com\"]' "
+    '("*": any; "*.example.com": its subdomains); others get 421. Loopback names are '
+    "always served; by default any Host is, or loopback names only when --host is a loopback "
+    "address (no DNS rebinding)",
     "enable_auto_tool_choice": 'let the model choose to call tools (tool_choice "auto")',
     "tool_call_parser": "how to read the model's tool calls: hermes or llama3_json",
 }

@@ -1,11 +1,13 @@
-"""ASGI guards in front of the app: admission and drain, API keys (one tenant each), body size,
-JSON-only POST bodies and security headers. Each answers before the body is parsed."""
+"""ASGI guards in front of the app: request head size, Host names, admission and drain, API keys
+(one tenant each), body size, JSON-only POST bodies and security headers. Each answers before the
+body is parsed."""
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers, MutableHeaders
@@ -44,6 +46,103 @@ def error_response(
     """Return OpenAI's error JSON with a status code."""
     error = APIError(status_code, message, type_, param, code, headers)
     return JSONResponse(error.to_response().model_dump(), status_code, headers=headers)
+
+
+def is_loopback_name(host: str) -> bool:
+    """Return whether a host name or address always means this machine (127/8, ::1, localhost)."""
+    name = host.lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):  # RFC 6761: never sent to DNS
+        return True
+    try:
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_host_patterns(bind_host: str, allowed_hosts: Sequence[str] | None) -> list[str] | None:
+    """Return the Host names to serve besides loopback ones; None: any Host.
+
+    Without a list, a server bound to loopback serves loopback names only: a web page whose
+    name an attacker re-points at 127.0.0.1 (DNS rebinding) then reaches nothing.
+    """
+    if allowed_hosts is None:
+        return [] if is_loopback_name(bind_host) else None
+    if "*" in allowed_hosts:
+        return None
+    return [h.lower().rstrip(".") for h in allowed_hosts]
+
+
+def _host_name(value: str) -> str:
+    """Return a Host header's name or address without its port, lower-cased."""
+    value = value.strip().lower()
+    if value.startswith("["):  # [v6 address]:port
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class HostCheckMiddleware:
+    """Refuses requests whose Host header names no host this server is meant to serve (421).
+
+    Loopback names are always served. A request without a Host header passes: browsers always
+    send one, so it cannot be a rebound page.
+    """
+
+    def __init__(self, app: ASGIApp, allowed_hosts: Sequence[str]) -> None:
+        self.app = app
+        self.names = frozenset(h for h in allowed_hosts if not h.startswith("*."))
+        self.suffixes = tuple(h[1:] for h in allowed_hosts if h.startswith("*."))
+
+    def is_allowed(self, host: str) -> bool:
+        """Return whether a Host header value names a served host."""
+        name = _host_name(host).rstrip(".")
+        return (
+            is_loopback_name(name)
+            or name in self.names
+            or (bool(self.suffixes) and name.endswith(self.suffixes))
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            host = Headers(scope=scope).get("host")
+            if host is not None and not self.is_allowed(host):
+                response = error_response(
+                    421,
+                    f"This server does not serve the host {_host_name(host)!r} (--allowed-hosts).",
+                    code="misdirected_request",
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class HeaderLimitMiddleware:
+    """Refuses a request head with too many header lines or too many header bytes (431).
+
+    The HTTP server has read the head already (its time is bounded by the head deadline); this
+    keeps oversized heads from reaching the app and says why.
+    """
+
+    def __init__(self, app: ASGIApp, max_header_bytes: int, max_num_headers: int) -> None:
+        self.app = app
+        self.max_header_bytes = max_header_bytes
+        self.max_num_headers = max_num_headers
+        self.refused = error_response(
+            431,
+            f"The request head exceeds {max_num_headers} headers or {max_header_bytes} bytes "
+            "(--max-num-request-headers, --max-request-header-bytes).",
+            code="request_header_fields_too_large",
+            headers={"Connection": "close"},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            headers = scope["headers"]
+            if len(headers) > self.max_num_headers or (
+                sum(len(name) + len(value) for name, value in headers) > self.max_header_bytes
+            ):
+                await self.refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def tenant_of(key: str) -> str:

@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes, /metrics, /health, API key and body-size guards."""
+"""The FastAPI app: OpenAI routes, /metrics, /health, API key, Host, head and body-size guards."""
 
 from __future__ import annotations
 
@@ -24,8 +24,11 @@ from infer8.entrypoints.openai.guards import (
     AdmissionMiddleware,
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
+    HeaderLimitMiddleware,
+    HostCheckMiddleware,
     JSONBodyMiddleware,
     SecurityHeadersMiddleware,
+    allowed_host_patterns,
     error_response,
 )
 from infer8.entrypoints.openai.protocol import (
@@ -61,8 +64,8 @@ from infer8.version import __version__
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# Paths open without the API key (probes, scrapers, docs), as in vLLM; /metrics too unless
-# --metrics-require-api-key.
+# Paths open without the API key (probes, docs), as in vLLM; /metrics too with
+# --no-metrics-require-api-key.
 _PUBLIC_PATHS = (
     frozenset({"/health", "/ready", "/version", "/openapi.json", "/docs"})
     | frozenset(f"/docs/{name}" for name in ("swagger-ui.css", "swagger-ui-bundle.js"))
@@ -83,6 +86,7 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     descriptions = {
         400: "Invalid request (bad JSON, parameters out of range, prompt too long).",
         401: "Missing or wrong API key (only with --api-key).",
+        403: "Not allowed for one key among several (it would act on other keys' data).",
         404: "Unknown model.",
         413: "Request body too large.",
         500: "The engine failed this request alone; other requests were not affected.",
@@ -176,7 +180,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     # An overload or drain 503 costs no parsing and no key check.
     app.add_middleware(AdmissionMiddleware, engine_client=engine_client)
     app.add_middleware(SecurityHeadersMiddleware)
-    if config.allowed_origins is not None:  # CORS, outermost so preflights need no key
+    if config.allowed_origins is not None:  # CORS, outside the key check: preflights need none
         app.add_middleware(
             CORSMiddleware,
             allow_origins=parse_json_list(config.allowed_origins, "--allowed-origins"),
@@ -184,11 +188,23 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
             allow_headers=parse_json_list(config.allowed_headers, "--allowed-headers"),
             allow_credentials=config.allow_credentials,
         )
+    allowed_hosts = None
+    if config.allowed_hosts is not None:
+        allowed_hosts = parse_json_list(config.allowed_hosts, "--allowed-hosts")
+    host_patterns = allowed_host_patterns(config.host, allowed_hosts)
+    if host_patterns is not None:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=host_patterns)
+    app.add_middleware(  # outermost: an oversized head reaches nothing else
+        HeaderLimitMiddleware,
+        max_header_bytes=config.max_request_header_bytes,
+        max_num_headers=config.max_num_request_headers,
+    )
 
     @app.get("/health", response_model=HealthResponse, responses=_HEALTH_RESPONSES)
     async def health() -> JSONResponse:
-        """Liveness: 503 with the reason when the engine is dead or a step is wedged."""
-        reason = engine_client.health()
+        """Liveness: 503 with the reason when the engine is dead, a step or the tokenizer
+        pool is wedged."""
+        reason = engine_client.health() or pool.wedged_reason()
         if reason is None:
             return JSONResponse(HealthResponse(status="ok").model_dump())
         return JSONResponse(HealthResponse(status="unhealthy", reason=reason).model_dump(), 503)
@@ -196,7 +212,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     @app.get("/ready", response_model=HealthResponse, responses=_HEALTH_RESPONSES)
     async def ready() -> JSONResponse:
         """Readiness: also 503 while draining for shutdown, so no new traffic is routed here."""
-        reason = engine_client.health()
+        reason = engine_client.health() or pool.wedged_reason()
         if reason is None and engine_client.is_draining:
             reason = "the server is shutting down"
         if reason is None:
@@ -243,10 +259,20 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     add_responses_routes(app, OpenAIServingResponses(chat))  # /v1/responses and its store
 
     if config.enable_server_dev_mode:  # admin endpoints, as vLLM's VLLM_SERVER_DEV_MODE
+        is_multi_tenant = len(set(api_keys)) > 1 and not config.share_prefix_cache_across_api_keys
 
-        @app.post("/reset_prefix_cache", responses=_errors(401, 503))
+        @app.post("/reset_prefix_cache", responses=_errors(401, 403, 503))
         async def reset_prefix_cache() -> JSONResponse:
-            # Between two engine steps; blocks that running requests hold stay cached.
+            # Between two engine steps; blocks that running requests hold stay cached. The
+            # cache is one pool: with several tenants a reset would drop the others' blocks.
+            if is_multi_tenant:
+                raise APIError(
+                    403,
+                    "/reset_prefix_cache drops every tenant's cached blocks, so it is refused "
+                    "while several API keys are tenants; serve one key (or "
+                    "--share-prefix-cache-across-api-keys) to use it",
+                    code="permission_denied",
+                )
             try:
                 num_blocks = await engine_client.reset_prefix_cache()
             except EngineDeadError as e:
@@ -283,7 +309,7 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     if not config.disable_fastapi_docs:
         _add_docs_routes(app)
 
-    add_console_routes(app, recorder, is_key_required=config.api_key is not None)
+    add_console_routes(app, recorder, is_key_required=bool(api_keys))
     return app
 
 

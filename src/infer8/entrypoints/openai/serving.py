@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import itertools
 import os
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -76,6 +79,13 @@ class OpenAIServing:
         # a flood of huge prompts then never takes the core the event loop and engine need.
         # The completion and chat servings share one pool (`pool`, the other's).
         self.pool = pool or WorkPool()
+        # A rendered chat prompt this long cannot fit the context whatever its tokens (the
+        # bound check_text_length applies): the template stops there instead of handing the
+        # tokenizer text that takes seconds and gigabytes to refuse.
+        fits_chars = 2 * self.tokenizer.max_token_chars * self.max_model_len
+        budget = self.tokenizer.template_budget
+        if budget.max_chars > fits_chars:
+            self.tokenizer.template_budget = dataclasses.replace(budget, max_chars=fits_chars)
 
     # -- shared validation ------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -232,16 +242,24 @@ class WorkPool:
     """The threads that tokenize, template and detokenize requests, with a bounded queue.
 
     Sized to the machine (all cores but one); past `max_pending` queued or running calls the
-    next request is answered 503 at once instead of waiting behind the others.
+    next request is answered 503 at once instead of waiting behind the others. A pool whose
+    every thread has run one call for over `wedged_after_s` is wedged (`wedged_reason`):
+    nothing queued behind them moves, which /health should report.
     """
 
-    def __init__(self, max_workers: int | None = None, max_pending: int = 1024) -> None:
-        workers = max_workers or max(1, (os.cpu_count() or 2) - 1)
+    def __init__(
+        self, max_workers: int | None = None, max_pending: int = 1024, wedged_after_s: float = 30.0
+    ) -> None:
+        self.num_workers = max_workers or max(1, (os.cpu_count() or 2) - 1)
         self.executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=workers, thread_name_prefix="infer8-tokenize"
+            max_workers=self.num_workers, thread_name_prefix="infer8-tokenize"
         )
         self.max_pending = max_pending
         self.num_pending = 0  # only read and written on the event loop
+        self.wedged_after_s = wedged_after_s
+        self._lock = threading.Lock()
+        self._call_to_start_s: dict[int, float] = {}  # calls running now: when each began
+        self._call_ids = itertools.count()
 
     def submit(
         self, loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *args: Any
@@ -256,12 +274,38 @@ class WorkPool:
                 headers={"Retry-After": "1"},
             )
         self.num_pending += 1
-        future = loop.run_in_executor(self.executor, fn, *args)
+        future = loop.run_in_executor(self.executor, self._timed, fn, *args)
         future.add_done_callback(self._done)
         return future
 
+    def _timed(self, fn: Callable[..., T], *args: Any) -> T:
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._call_to_start_s[call_id] = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                del self._call_to_start_s[call_id]
+
     def _done(self, future: asyncio.Future[Any]) -> None:
         self.num_pending -= 1
+
+    def wedged_reason(self) -> str | None:
+        """Return why the pool is wedged (every thread stuck in one call), or None."""
+        now = time.monotonic()
+        with self._lock:
+            stuck_s = sorted((now - t for t in self._call_to_start_s.values()), reverse=True)
+        if len(stuck_s) < self.num_workers or stuck_s[self.num_workers - 1] < self.wedged_after_s:
+            return None
+        return (
+            f"the tokenizer pool is wedged: all {self.num_workers} threads have run one call "
+            f"for over {self.wedged_after_s:g} s (the longest {stuck_s[0]:.0f} s)"
+        )
+
+    def is_wedged(self) -> bool:
+        """Return whether every thread of the pool is stuck in one call."""
+        return self.wedged_reason() is not None
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(*args) in the pool and return its result."""

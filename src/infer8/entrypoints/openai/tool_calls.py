@@ -8,7 +8,7 @@ parses free text with a --tool-call-parser (hermes `<tool_call>` tags or Llama 3
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from infer8.entrypoints.openai.protocol import (
@@ -17,6 +17,7 @@ from infer8.entrypoints.openai.protocol import (
     DeltaToolCall,
     ToolCall,
 )
+from infer8.entrypoints.openai.request_limits import MAX_TOOLS
 from infer8.entrypoints.openai.tool_parsers import (
     HERMES_END,
     HERMES_START,
@@ -60,6 +61,13 @@ class ToolContext:
     named: str | None = None
     parallel: bool = True
     parser: str = "hermes"
+    name_to_tool: dict[str, dict[str, Any]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # The first tool of a name wins, as a linear search would find it.
+        self.name_to_tool = {}
+        for tool in self.tools:
+            self.name_to_tool.setdefault(tool["name"], tool)
 
     def constraint(self) -> StructuredOutputsParams | None:
         """Return the grammar that enforces required / named choices (None for auto)."""
@@ -87,7 +95,8 @@ class ToolContext:
         return None
 
     def _parameters(self, name: str | None) -> dict[str, Any]:
-        tool = next(t for t in self.tools if t["name"] == name)
+        assert name is not None
+        tool = self.name_to_tool[name]
         params = tool.get("parameters")
         return params if isinstance(params, dict) and params else {"type": "object"}
 
@@ -217,8 +226,15 @@ def resolve_tools(
         if tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return None
+    if len(tools) > MAX_TOOLS:  # before any per-tool work (this runs on the event loop)
+        raise APIError(
+            400,
+            f"tools has {len(tools)} entries; the limit is {MAX_TOOLS}",
+            param="tools",
+            code="too_many_tools",
+        )
     functions = tool_functions(tools)
-    names = [f["name"] for f in functions]
+    names = {f["name"] for f in functions}
     parallel = parallel_tool_calls is not False
     parser = auto_parser or "hermes"
     choice = "auto" if tool_choice is None else tool_choice
