@@ -160,6 +160,10 @@ class Attention(nn.Module):
         )
         self.o_proj = row_parallel_linear(self.q_size, cfg.hidden_size, tp_group)
         self.scale = self.head_dim**-0.5
+        # A constant [kv_heads, d] subtracted from every key after RoPE (set_key_offsets), or
+        # None. q.(k - c) = q.k - q.c, and q.c is the same for all of a query's keys: the
+        # softmax, hence the attention output, is unchanged in exact arithmetic.
+        self.k_offset: torch.Tensor | None = None
 
 
 class MLP(nn.Module):
@@ -209,6 +213,8 @@ class DecoderLayer(nn.Module):
         qk = ops.rope_(qkv[:, : attn.q_size + attn.kv_size].view(t, heads + kv_heads, d), cos, sin)
         v = qkv[:, attn.q_size + attn.kv_size :].view(t, kv_heads, d)
         q, k = qk[:, :heads], qk[:, heads:]
+        if attn.k_offset is not None:
+            k.sub_(attn.k_offset)
         o = backend.write_and_attend(q, k, v, cache, attn_metadata, attn.scale)
         norm = self.post_attention_layernorm
         h = ops.rms_norm(x, norm.weight, norm.eps, attn.o_proj.forward(o.reshape(t, -1)))
@@ -247,6 +253,34 @@ class LlamaForCausalLM(nn.Module):
         self.init_rope_tables()
         for p in self.parameters():
             p.requires_grad_(False)
+
+    def set_key_offsets(self, max_len: int | None = None) -> int:
+        """Store every layer's keys less the mean over positions [0, max_len) (None: every
+        position the model has) of its rotated k bias; return how many layers got an offset (those with a k bias).
+
+        Qwen2's k_proj bias reaches 100-211 in a few channels of some layers, all in RoPE's
+        slowest-turning pairs: after RoPE those channels carry a near-constant offset that
+        sets an FP8 key's per-token scale, leaving 3 bits of mantissa for the small channels
+        that carry the information. Subtracting a constant per channel from every key leaves
+        the softmax unchanged (Attention.k_offset), so the cache quantizes what varies.
+        """
+        num_layers = 0
+        length = max(1, min(max_len or self.cos_table.shape[0], self.cos_table.shape[0]))
+        mean_cos = self.cos_table[:length].double().mean(0)  # [head_dim / 2]
+        mean_sin = self.sin_table[:length].double().mean(0)
+        for layer in self.layers:
+            attn = layer.self_attn
+            bias = attn.qkv_proj.bias
+            if bias is None:
+                attn.k_offset = None
+                continue
+            b = bias[attn.q_size : attn.q_size + attn.kv_size].double()
+            b = b.view(attn.num_kv_heads, attn.head_dim)
+            b1, b2 = b.chunk(2, dim=-1)  # rotate_half's halves
+            offset = torch.cat([b1 * mean_cos - b2 * mean_sin, b2 * mean_cos + b1 * mean_sin], -1)
+            attn.k_offset = offset.to(bias.dtype)
+            num_layers += 1
+        return num_layers
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Attend through `backend` in every layer (chosen once at start-up)."""

@@ -144,6 +144,10 @@ class Worker:
         self.uses_cuda_graphs = cuda_graphs_apply(device, model_config.enforce_eager)
         self.attn_backend = select_backend(device, self.kv_spec, native)
         model.set_attention_backend(self.attn_backend)
+        if self.kv_spec.is_fp8 and self.kv_spec.kv_scale == "dynamic":
+            # keys less their k bias's mean rotation: exact for attention, and the FP8 scale
+            # then follows what varies (Qwen2's bias puts offsets of 100-200 in a few channels)
+            model.set_key_offsets(model_config.max_model_len)
         kv_bytes = self._kv_budget_bytes(model, model_config)
         # one exact-tail ring per seat, out of the KV budget; never more seats than the rest
         # holds blocks (a small budget would otherwise go to rings)
