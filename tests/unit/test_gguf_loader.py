@@ -463,10 +463,27 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 def test_unsupported_tensor_type(tmp_path: Path) -> None:
     """Check a tensor type outside the supported set is refused, naming tensor and type."""
-    path = tmp_path / "q5.gguf"
-    write_tiny_gguf(path, tensor_types={"blk.1.ffn_up.weight": QType.Q5_0})
-    with pytest.raises(ValueError, match=r"'blk\.1\.ffn_up\.weight' has type Q5_0"):
+    path = tmp_path / "mxfp4.gguf"
+    write_tiny_gguf(path, tensor_types={"blk.1.ffn_up.weight": QType.MXFP4})
+    with pytest.raises(ValueError, match=r"'blk\.1\.ffn_up\.weight' has type MXFP4"):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q5_0, QType.Q5_1])
+def test_five_bit_tensors_load_as_the_gguf_package_dequantizes_them(
+    tmp_path: Path, qtype: QType
+) -> None:
+    """Q5_0 / Q5_1 (a Q4_K_M file's other types) load to gguf's reference values."""
+    path = tmp_path / "q5.gguf"
+    write_tiny_gguf(path, tensor_types={"blk.1.ffn_up.weight": qtype})
+    model = load_gguf(path)
+    reader = gguf.GGUFReader(path)
+    tensor = next(t for t in reader.tensors if t.name == "blk.1.ffn_up.weight")
+    expected = gguf.quants.dequantize(tensor.data, qtype).reshape(
+        tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    )
+    got = model.state_dict["model.layers.1.mlp.up_proj.weight"].float().numpy()
+    assert (got == expected).all()
 
 
 def test_missing_tensor(tmp_path: Path) -> None:
