@@ -4,6 +4,7 @@ checked against the registry's size and sha256 before anything is converted."""
 from __future__ import annotations
 
 import hashlib
+import json
 import zipfile
 from pathlib import Path
 
@@ -73,3 +74,27 @@ def test_a_wrong_sum_is_refused_and_leaves_no_file(
 def test_unknown_names_list_the_known_ones() -> None:
     with pytest.raises(ValueError, match="smollm2-135m, qwen2.5-coder-0.5b"):
         registry.pull("llama-70b")
+
+
+def test_serve_takes_a_registry_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`infer8 serve qwen2.5-coder-0.5b`: the name is pulled (once, cached) before anything
+    else reads the model; an unknown name lists the known ones."""
+    from infer8.entrypoints.preflight import model_hf_config
+
+    model_dir = tmp_path / "Qwen"
+    model_dir.mkdir()
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    }
+    (model_dir / "config.json").write_text(json.dumps(config))
+    pulled: list[str | None] = []
+    monkeypatch.setattr(registry, "pull", lambda name: pulled.append(name) or model_dir)
+    assert model_hf_config("qwen2.5-coder-0.5b")["architectures"] == ["Qwen2ForCausalLM"]
+    assert pulled == ["qwen2.5-coder-0.5b"]
+    with pytest.raises(ValueError, match="a name `infer8 pull` knows: smollm2-135m"):
+        model_hf_config("no-such-model")

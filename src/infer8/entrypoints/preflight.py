@@ -64,15 +64,11 @@ def model_hf_config(model: str | None) -> dict[str, Any]:
     """Return the model's config.json dict (read from the directory or GGUF header only)."""
     if model is None:
         return DEFAULT_MODEL_CONFIG
-    path = Path(model)
-    if not path.exists():
-        raise ValueError(
-            f"model {model!r} is not a local path; infer8 loads a Hugging Face model directory "
-            "or a .gguf file (no hub downloads). Run `infer8 pull` for the default model."
-        )
-    if path.is_dir():
-        from infer8.models.loader import read_hf_config
+    from infer8.models.loader import read_hf_config, resolve_model_path
 
+    # a name `infer8 pull` knows is fetched once here; anything else must be a local path
+    path = Path(resolve_model_path(model))
+    if path.is_dir():
         return read_hf_config(path)
     from infer8.models.gguf_loader import gguf_hf_config
 
