@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from infer8 import LLM, SamplingParams
+from infer8.config import EngineArgs
 from infer8.models.registry import QWEN25_CODER_05B, pull
 from infer8.utils import cache_dir
 
@@ -56,3 +57,58 @@ def test_greedy_tokens_and_logits_match_transformers_gguf_loading() -> None:
     assert len(out.logprobs[0]) >= 5
     for token_id, logprob in out.logprobs[0].items():
         assert abs(logprob - reference_logprobs[token_id].item()) < 1e-3, token_id
+
+
+def test_the_console_chats_with_it_on_an_fp8_cache() -> None:
+    """The model through the server and the web console, with the default FP8 cache (key
+    offsets on): a coding question answered in the page, the engine view free of errors."""
+    import os
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    from infer8.engine import LLMEngine
+    from infer8.entrypoints.openai.cli_args import ServerConfig
+    from tests.utils import start_server, stop_server, wait_for_js
+
+    chromium = os.environ.get("INFER8_CHROMIUM") or next(
+        (p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None
+    )
+    if chromium is None:
+        pytest.skip("Chromium is not installed (scripts/setup.sh installs it)")
+    engine = LLMEngine(
+        EngineArgs(
+            model=QWEN25_CODER_05B.name,
+            kv_cache_dtype="fp8_e4m3",
+            kv_cache_memory_bytes=128 << 20,
+            max_model_len=4096,
+            max_num_seqs=4,
+        )
+    )
+    assert engine.worker.model.layers[0].self_attn.k_offset is not None
+    running = start_server(engine, ServerConfig())
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=chromium, headless=True)
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.goto(running.url + "/")
+            page.fill("#max-tokens", "60")
+            page.fill("#temperature", "0")
+            page.fill("#prompt", "Write a one-line Python expression that reverses a string s.")
+            page.press("#prompt", "Enter")
+            wait_for_js(
+                page,
+                "document.querySelectorAll('.message.assistant[data-finish-reason]').length === 1",
+                timeout=60_000,
+            )
+            answer = page.locator(".message.assistant .content").last.inner_text()
+            assert "[::-1]" in answer, answer
+            page.goto(running.url + "/engine")
+            wait_for_js(page, "Number(document.body.dataset.records || 0) >= 1", timeout=20_000)
+            browser.close()
+        assert errors == [], errors
+    finally:
+        stop_server(running)
