@@ -4,6 +4,9 @@ transformers' own GGUF loading of the same file."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 import torch
 
@@ -112,3 +115,60 @@ def test_the_console_chats_with_it_on_an_fp8_cache() -> None:
         assert errors == [], errors
     finally:
         stop_server(running)
+
+
+def _q4_k(raw: np.ndarray) -> np.ndarray:
+    """ggml's Q4_K, written from its block layout: per 256 values d, dmin (f16), 12 bytes of
+    6-bit scales and mins for 8 sub-blocks, 128 bytes of 4-bit values."""
+    blocks = raw.reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    q = blocks[:, 4:16].astype(np.int32)
+    scale = np.empty((len(blocks), 8), np.int32)
+    mins = np.empty((len(blocks), 8), np.int32)
+    scale[:, :4], mins[:, :4] = q[:, 0:4] & 63, q[:, 4:8] & 63
+    scale[:, 4:] = (q[:, 8:12] & 0xF) | ((q[:, 0:4] >> 6) << 4)
+    mins[:, 4:] = (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)
+    qs = blocks[:, 16:].reshape(-1, 4, 32).astype(np.int32)  # 4 chunks of 64 values
+    low, high = qs & 0xF, qs >> 4  # sub-blocks 2c and 2c + 1
+    values = np.stack([low, high], axis=2).reshape(-1, 8, 32)
+    return (d * scale)[..., None] * values - (dmin * mins)[..., None]
+
+
+def _q6_k(raw: np.ndarray) -> np.ndarray:
+    """ggml's Q6_K: per 256 values 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8
+    scales (one per 16 values) and d (f16)."""
+    blocks = raw.reshape(-1, 210)
+    ql = blocks[:, :128].reshape(-1, 2, 64).astype(np.int32)
+    qh = blocks[:, 128:192].reshape(-1, 2, 32).astype(np.int32)
+    scales = blocks[:, 192:208].copy().view(np.int8).astype(np.float32).reshape(-1, 2, 8)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    out = np.empty((len(blocks), 2, 128), np.float32)
+    for i, (lo, shift) in enumerate([(0, 0), (32, 2), (0, 4), (32, 6)]):
+        nibble = ql[:, :, lo : lo + 32] & 0xF if i < 2 else ql[:, :, lo : lo + 32] >> 4
+        q = (nibble | (((qh >> shift) & 3) << 4)) - 32
+        sc = np.repeat(scales[:, :, 2 * i : 2 * i + 2], 16, axis=2)
+        out[:, :, 32 * i : 32 * i + 32] = d[:, :, None] * sc * q
+    return out
+
+
+@pytest.mark.parametrize(
+    ("gguf_name", "hf_name", "dequantize"),
+    [
+        ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", _q6_k),
+        ("blk.11.ffn_down.weight", "model.layers.11.mlp.down_proj.weight", _q4_k),
+    ],
+    ids=["Q6_K", "Q4_K"],
+)
+def test_k_quant_tensors_load_as_their_block_layout_says(
+    gguf_name: str, hf_name: str, dequantize: Any
+) -> None:
+    from infer8.models.gguf_loader import load_gguf
+
+    path = pull(QWEN25_CODER_05B.name, progress=False).parent / QWEN25_CODER_05B.gguf_name
+    model = load_gguf(path)
+    tensor = model.tensors[gguf_name]
+    assert tensor.tensor_type.name == dequantize.__name__.removeprefix("_").upper()
+    expected = dequantize(np.asarray(tensor.data).view(np.uint8).reshape(-1))
+    got = next(w for name, w in model.iter_weights() if name == hf_name).numpy()
+    np.testing.assert_allclose(got.reshape(-1), expected.reshape(-1), rtol=0, atol=1e-6)
