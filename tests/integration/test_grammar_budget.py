@@ -61,7 +61,7 @@ def _tools(num_tools: int, num_props: int | None = None) -> list[dict[str, Any]]
 
 
 # The findings' sizes where the body guards let them through: each compiled for 20-140 s
-# (and 10,000 tools blocked the event loop for seconds) before an answer on today's main.
+# (and 10,000 tools blocked the event loop for seconds) before an answer without these limits.
 OVER_LIMITS = {
     "guided_regex": ({"guided_regex": "|".join(f"w{i}" for i in range(100_000))}, "chat"),
     "guided_choice": ({"guided_choice": [f"c{i}" for i in range(60_000)]}, "chat"),

@@ -14,7 +14,7 @@ from tests.utils import CHATML
 
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-# Each case is refused before it allocates or loops for long (on today's main each wedges a
+# Each case is refused before it allocates or loops for long (without the budget each wedges a
 # thread for hours, raises a 500 or allocates gigabytes).
 RUNAWAYS = {
     "nested loops": (NESTED_LOOPS, "steps"),
