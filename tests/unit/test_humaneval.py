@@ -29,6 +29,8 @@ def test_problems_are_read_from_jsonl(tmp_path: Path) -> None:
     path = tmp_path / "he.jsonl"
     path.write_text(json.dumps(PROBLEM) + "\n")
     assert read_problems(path) == [PROBLEM]
+    with pytest.raises(ValueError, match="cannot read HumanEval problems from .*missing"):
+        read_problems(tmp_path / "missing.jsonl")
     path.write_text(json.dumps({"task_id": "x"}) + "\n")
     with pytest.raises(ValueError, match="not a HumanEval record"):
         read_problems(path)

@@ -63,7 +63,10 @@ def read_problems(path: str | Path | None = None) -> list[dict[str, Any]]:
             ) from None
         raw = data.read_bytes()
     else:
-        raw = Path(path).read_bytes()
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read HumanEval problems from {path}: {e.strerror}") from None
     text = gzip.decompress(raw).decode() if raw[:2] == b"\x1f\x8b" else raw.decode()
     problems = [json.loads(line) for line in text.splitlines() if line.strip()]
     for p in problems:
@@ -143,6 +146,8 @@ def run_humaneval(
     from infer8.entrypoints.llm import LLM
     from infer8.sampling_params import SamplingParams
 
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {limit}")
     problems = read_problems(data)[:limit]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=STOP)
     isolate = _isolated_network()
