@@ -318,7 +318,6 @@ def build_layer_decode(
     from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
     from infer8.attention.metadata import build_attention_metadata
     from infer8.attention.triton.backend import TritonAttention
-    from infer8.worker.tail_seats import SinkSlots, TailRows
 
     head_dim, block_size = 128, 16
     window = DEFAULT_EXACT_TAIL_TOKENS if exact_tail else 0
@@ -333,12 +332,10 @@ def build_layer_decode(
     block_ids = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     meta = build_attention_metadata([1] * batch, [context] * batch, block_ids, block_size, device)
     if window:
-        rows, slots = TailRows(batch), SinkSlots(batch)
-        seats = [rows.row_for(str(i), 0) for i in range(batch)]  # exact from position 0
-        sink_slots = [slots.slot_for(str(i), b[0], s) for i, (b, (_, s)) in
-                      enumerate(zip(block_ids, seats))]  # fmt: skip
+        # sequence i: row i, exact from position 0, writing its sinks into slot i
+        sink_slots = [(i, True) if sinks else (-1, False) for i in range(batch)]
         meta.tail = build_tail_metadata(
-            window, sinks, [r for r, _ in seats], [s for _, s in seats], sink_slots,
+            window, sinks, list(range(batch)), [0] * batch, sink_slots,
             [1] * batch, [context] * batch, meta.decode_seq_ids,
             meta.decode_block_tables.shape[1] * block_size, device,
         )  # fmt: skip

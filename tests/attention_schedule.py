@@ -21,7 +21,7 @@ import torch
 from infer8.attention.exact_tail import build_tail_metadata
 from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from infer8.attention.metadata import build_attention_metadata
-from infer8.worker.tail_seats import SinkSlots, TailRows
+from infer8.core.exact_tail_seats import ExactTailSeats, TailSeat
 
 BLOCK_SIZE = 16
 WINDOW, SINKS = 6, 4
@@ -98,7 +98,7 @@ def run_schedule(
         kv[req][:, :5] *= 6  # large first tokens: sinks matter
         if shared:
             kv[req][:, : shared * BLOCK_SIZE] = kv["A"][:, : shared * BLOCK_SIZE]
-    rows, sinks = TailRows(6), SinkSlots(6)
+    seats = ExactTailSeats(6, WINDOW, SINKS, BLOCK_SIZE)
     progress = {req: shared * BLOCK_SIZE for req, (shared, _) in SCHEDULE.items()}
     for step in range(NUM_STEPS):
         sched = [(r, s[1][step]) for r, s in SCHEDULE.items() if s[1][step]]
@@ -108,14 +108,11 @@ def run_schedule(
             q_lens, computed, [blocks[r] for r, _ in sched], BLOCK_SIZE, device
         )
         if spec.exact_tail_tokens:
-            seats = [rows.row_for(r, c) for (r, _), c in zip(sched, computed)]
-            slots = [
-                sinks.slot_for(r, blocks[r][0], start) for (r, _), (_, start) in zip(sched, seats)
-            ]
+            held = [_seat(seats, r, c, blocks[r][0]) for (r, _), c in zip(sched, computed)]
             meta.tail = build_tail_metadata(
-                WINDOW, SINKS, [row for row, _ in seats], [s for _, s in seats], slots, q_lens,
-                computed, meta.decode_seq_ids, meta.decode_block_tables.shape[1] * BLOCK_SIZE,
-                device,
+                WINDOW, SINKS, [x.row for x in held], [x.exact_start for x in held],
+                [(x.sink_slot, x.writes_sinks) for x in held], q_lens, computed,
+                meta.decode_seq_ids, meta.decode_block_tables.shape[1] * BLOCK_SIZE, device,
             )  # fmt: skip
         k = torch.cat([kv[r][0, c : c + n] for (r, n), c in zip(sched, computed)])
         v = torch.cat([kv[r][1, c : c + n] for (r, n), c in zip(sched, computed)])
@@ -132,3 +129,9 @@ def run_schedule(
         for (r, n), c in zip(sched, computed):
             progress[r] = c + n
         yield step, outs[1], outs[0], other_cache, ref_cache
+
+
+def _seat(seats: ExactTailSeats, req: str, computed: int, first_block: int) -> TailSeat:
+    """Return a request's seat, seating it on first sight (its sinks keyed by its first block:
+    B, which shares A's, reads A's)."""
+    return seats.get(req) or seats.seat(req, computed, first_block)

@@ -132,10 +132,9 @@ class LLMEngine:
             enable_caching=self.cache_config.enable_prefix_caching and not is_static,
             enable_kv_cache_events=self.kv_events_config.is_enabled,
             num_host_blocks=self.num_host_blocks,
+            exact_tail=self._exact_tail_seats(),
         )
         max_num_seqs = self.scheduler_config.max_num_seqs
-        # an FP8 exact tail holds one ring row (a seat) per running request
-        max_num_seqs = min(max_num_seqs, self.num_tail_rows or max_num_seqs)
         max_num_batched_tokens = self.scheduler_config.max_num_batched_tokens
         scheduler: SchedulerBase
         if is_static:
@@ -148,6 +147,14 @@ class LLMEngine:
                 policy=self.scheduler_config.policy,
             )
         return kv_cache_manager, scheduler
+
+    def _exact_tail_seats(self) -> tuple[int, int, int] | None:
+        """Return an FP8 cache's exact-tail seats for the KV cache manager: (rows, window,
+        sinks), or None without a tail."""
+        if not self.num_tail_rows:
+            return None
+        spec = self.kv_spec
+        return self.num_tail_rows, spec.exact_tail_tokens, spec.exact_sink_tokens
 
     @property
     def can_reset(self) -> bool:

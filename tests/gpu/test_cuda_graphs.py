@@ -19,8 +19,8 @@ HAS_CUDA, DEVICE = triton_modules.HAS_CUDA, triton_modules.DEVICE
 from infer8.attention.exact_tail import build_tail_metadata  # noqa: E402
 from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache  # noqa: E402
 from infer8.attention.metadata import build_attention_metadata  # noqa: E402
+from infer8.core.exact_tail_seats import ExactTailSeats  # noqa: E402
 from infer8.models.loader import load_model  # noqa: E402
-from infer8.worker.tail_seats import SinkSlots, TailRows  # noqa: E402
 from tests.utils import float_ordinals  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -55,19 +55,20 @@ class _Seats:
     """The model runner's tail seats for requests 0..n-1 (rows, sink slots), in one place."""
 
     def __init__(self, window: int) -> None:
-        self.window, self.rows, self.sinks = window, TailRows(4), SinkSlots(4)
+        self.window = window
+        self.seats = ExactTailSeats(4, window, 4, BLOCK_SIZE) if window else None
 
     def attach(self, meta, q_lens: list[int], computed: list[int], block_ids: list) -> None:  # type: ignore[no-untyped-def]
-        if not self.window:
+        if self.seats is None:
             return
-        seats = [self.rows.row_for(str(i), c) for i, c in enumerate(computed)]
-        slots = [
-            self.sinks.slot_for(str(i), b[0], s)
-            for i, (b, (_, s)) in enumerate(zip(block_ids, seats))
-        ]  # noqa: E501
+        held = [
+            self.seats.get(str(i)) or self.seats.seat(str(i), c, b[0])
+            for i, (c, b) in enumerate(zip(computed, block_ids))
+        ]
         meta.tail = build_tail_metadata(
-            self.window, 4, [r for r, _ in seats], [s for _, s in seats], slots, q_lens,
-            computed, meta.decode_seq_ids, meta.decode_block_tables.shape[1] * BLOCK_SIZE, DEVICE,
+            self.window, 4, [x.row for x in held], [x.exact_start for x in held],
+            [(x.sink_slot, x.writes_sinks) for x in held], q_lens, computed,
+            meta.decode_seq_ids, meta.decode_block_tables.shape[1] * BLOCK_SIZE, DEVICE,
         )  # fmt: skip
 
 

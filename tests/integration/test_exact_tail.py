@@ -30,7 +30,7 @@ def test_a_tail_covering_everything_is_transformers_at_16_bit_precision(llama_di
     # mantissa bits): transformers' greedy tokens (float32) and its logits within 1e-2 (plain
     # FP8 is off by ~0.1 here), through chunked prefill and preemption (12 blocks are too few),
     # with the Hadamard rotation on (it leaves scores and outputs unchanged).
-    # Without prefix caching: a preempted request that resumes on a hit reads the hit quantized.
+    # Without prefix caching (a window of 128 cuts any hit here to nothing anyway).
     block_bytes, tail_bytes = _fp8_block_bytes(6, 128)
     llm = LLM(
         str(llama_dir),
@@ -80,7 +80,7 @@ def test_tail_reads_the_same_whatever_the_chunking_and_beats_plain_fp8(llama_dir
         )
     )
     by_chunk = [_score(tail, tokens, c) for c in (1, 5, 80)]
-    for other in by_chunk[1:]:  # a query reads (a - 6, a] exactly, however it was scheduled
+    for other in by_chunk[1:]:  # a query reads its segment [a // 6 * 6, a] exactly, however chunked
         assert (other - by_chunk[0]).abs().max().item() < 1e-4
     plain = LLMEngine(EngineArgs(kv_cache_exact_tail_tokens=0, kv_cache_hadamard=False, **common))
     plain_lp = _score(plain, tokens, 80)
@@ -129,13 +129,15 @@ def test_tail_greedy_tokens_survive_chunking_preemption_and_prefix_hits(llama_di
     assert got == _generate(roomy, prompts)
 
 
-def test_sinks_are_shared_by_prefix_hits(llama_dir: Path) -> None:
+def test_sinks_are_shared_by_prefix_hits_and_a_hit_without_them_is_recomputed(
+    llama_dir: Path,
+) -> None:
     # The first request computes the shared blocks and writes its sinks (positions 0-3) into
-    # the slot of its first block; a request that hits those blocks reads the same sinks, so it
-    # computes what it would without the cache. (A window of 1, so that no query reads a ring
-    # position before the hit: those a hit reads quantized, see exact_tail.py.) With the slot
-    # forgotten, the hit reads its sinks quantized.
-    tail = dict(kv_cache_exact_tail_tokens=1, kv_cache_exact_sink_tokens=4, max_model_len=96)
+    # the slot keyed by its first block; a request that hits those blocks reads the same sinks,
+    # so it computes what it would without the cache. Once other first blocks have taken every
+    # sink slot (two: max_num_seqs 2), the prefix is no hit: it is computed again, and again
+    # gives the same numbers.
+    tail = dict(kv_cache_exact_tail_tokens=8, kv_cache_exact_sink_tokens=4, max_model_len=96)
     shared = list(range(200, 240))  # five 8-token blocks
     prompt = shared + [12, 13, 14, 15, 16, 17]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -149,7 +151,7 @@ def test_sinks_are_shared_by_prefix_hits(llama_dir: Path) -> None:
     fresh = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False,
                 **tail, **FP8)  # fmt: skip
     want = logits(fresh, _record_logits(fresh))
-    cached = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22, **tail, **FP8)
+    cached = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22, max_num_seqs=2, **tail, **FP8)
     seen = _record_logits(cached)
     stats: list[SchedulerStats] = []
     cached.engine.stat_loggers.append(stats.append)
@@ -157,10 +159,12 @@ def test_sinks_are_shared_by_prefix_hits(llama_dir: Path) -> None:
     hit = logits(cached, seen)
     assert sum(s.num_prefix_cache_hits for s in stats) == 40
     assert (hit - want).abs().max().item() < 1e-4
-    cached.engine.worker.runner.release_tail()  # no block keeps its sinks now
-    lost = logits(cached, seen)
-    assert sum(s.num_prefix_cache_hits for s in stats) == 80
-    assert (lost - want).abs().max().item() > 1e-3
+    for first in (300, 400):  # two other first blocks take both sink slots
+        cached.generate([list(range(first, first + 20))], params)
+    num_hits = sum(s.num_prefix_cache_hits for s in stats)
+    again = logits(cached, seen)
+    assert sum(s.num_prefix_cache_hits for s in stats) == num_hits  # no hit this time
+    assert (again - want).abs().max().item() < 1e-4
 
 
 @pytest.mark.slow

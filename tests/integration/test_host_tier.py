@@ -36,7 +36,8 @@ def _llm(model_dir: Path, kv_cache_dtype: str, num_blocks: int, **kwargs: Any) -
         max_num_seqs=4,
     )
     if kv_cache_dtype.startswith("fp8"):
-        # the exact tail keeps sinks per device block, which a host copy does not carry
+        # whole 40-token hits: an exact tail would shorten them to its 24-token segments
+        # (tests/integration/test_same_answer.py loads a prefix back with the tail on)
         options.update(kv_cache_exact_tail_tokens=0, kv_cache_hadamard=False)
     options.update(kwargs)
     return LLM(str(model_dir), **options)

@@ -95,7 +95,9 @@ def test_native_elementwise_ops_match_the_torch_ops(
     if dtype == "float32":
         assert second == first
     assert len(seen) == len(native_logits) > 0
-    tol = 1e-4 if dtype == "float32" else 0.25  # bf16 rounds each pass's output
+    # bf16 rounds each pass's output; float32 differs by summation order (~1e-7), which an FP8
+    # cache can turn into a K or V element rounded one E4M3 step (1/8) the other way
+    tol = 0.25 if dtype != "float32" else 5e-4 if kv_cache_dtype.startswith("fp8") else 1e-4
     for ours, theirs in zip(native_logits, seen):
         assert (ours - theirs).abs().max().item() < tol
 

@@ -27,7 +27,6 @@ from infer8.plan_cli import format_plan
 from infer8.plan_presets import DEVICE_PRESETS, load_model_shape
 from infer8.quant import fp8
 from infer8.quant.fp8 import kv_dtype_name
-from infer8.worker.tail_seats import SinkSlots, TailRows
 
 
 def test_hadamard_rotation_keeps_attention_scores() -> None:
@@ -51,13 +50,13 @@ def test_a_long_chunk_writes_only_its_last_w_minus_1_tokens_to_the_ring() -> Non
     assert meta.write_slots.tolist() == [2 * 3 + 15 % 3, 2 * 3 + 16 % 3, 2 * 3 + 17 % 3, 5 % 3]
     # rows read: the decode's ring row and sink row (none: row 0, unused), then row 2
     assert meta.read_rows.tolist() == [0, 0, 2]
-    # the chunk reads positions 7, 8, 9 from the ring (queries at 10.. see (a - 4, a]),
-    # in the third row read
-    assert meta.ring_read_slots[0].tolist() == [6 + 7 % 3, 6 + 8 % 3, 6 + 9 % 3]
-    # the decode token at 5 reads 3, 4 from its ring (offsets 0, 1): its row holds exact
-    # values from 3 only, so offset 2 (position 2) is unused; its new token is at 0 * 8 + 5
-    assert meta.decode_pos.tolist() == [[3, 4, 0, 0, 0, 0]]
-    assert meta.decode_valid.tolist() == [[1, 1, 0, 0, 0, 0]]
+    # the chunk reads positions 8, 9 from the ring (query 10 reads its segment [8, 10], queries
+    # 12.. theirs from 12 on), in the third row read
+    assert meta.ring_read_slots[0].tolist() == [6 + 8 % 3, 6 + 9 % 3]
+    # the decode token at 5 reads its segment [4, 5]: 4 from its ring (offset 1; 3 at offset 0
+    # is an older segment's, 2 at offset 2 was never held); its new token is at 0 * 8 + 5
+    assert meta.decode_pos.tolist() == [[0, 4, 0, 0, 0, 0]]
+    assert meta.decode_valid.tolist() == [[0, 1, 0, 0, 0, 0]]
     assert meta.decode_new.tolist() == [5]
 
 
@@ -75,27 +74,15 @@ def test_sinks_are_written_by_the_first_chunk_and_read_by_later_decodes() -> Non
     assert meta.write_slots.tolist() == [5, 6, 7, 9 % 3]
     assert meta.num_sinks == [2, 2]
     assert meta.read_rows.tolist() == [0, 0]  # its ring row, its sink slot's row
-    # ring offsets hold 6, 7, 8; the sink row's sink offsets hold 0, 1
-    assert meta.decode_pos.tolist() == [[6, 7, 8, 0, 0, 0, 0, 0, 0, 1]]
-    assert meta.decode_valid.tolist() == [[1, 1, 1, 0, 0, 0, 0, 0, 1, 1]]
-    # a sequence whose window still covers its first positions reads no sink from the store
+    # ring offsets hold 6, 7, 8, of which 8 is in the query's segment [8, 9]; the sink row's
+    # sink offsets hold 0, 1
+    assert meta.decode_pos.tolist() == [[0, 0, 8, 0, 0, 0, 0, 0, 0, 1]]
+    assert meta.decode_valid.tolist() == [[0, 0, 1, 0, 0, 0, 0, 0, 1, 1]]
+    # a sequence whose segment still covers its first positions reads no sink from the store
     meta = build_tail_metadata(4, 2, [0], [0], [(0, True)], [1], [2], [0], 16, cpu)
     assert meta.decode_pos.tolist()[0][:3] == [0, 1, 0]  # from the ring: positions 0, 1
     assert meta.decode_valid.tolist() == [[1, 1] + [0] * 8]
     assert meta.sink_write_slots.tolist() == []
-
-
-def test_sink_slots_follow_first_blocks_and_recycle_the_least_recent_unread_one() -> None:
-    slots = SinkSlots(2)
-    assert slots.slot_for("a", 10, 0) == (0, True)  # computes block 10: writes its sinks
-    assert slots.slot_for("b", 10, 16) == (0, False)  # hits block 10: reads them
-    assert slots.slot_for("c", 20, 0) == (1, True)
-    assert slots.slot_for("a", 10, 0) == (0, True)  # a later step: the same answer
-    slots.release(["a", "b"])  # slot 0 stays block 10's for later hits, but may be recycled
-    assert slots.slot_for("d", 10, 32) == (0, False)
-    slots.release(["d"])
-    assert slots.slot_for("e", 30, 0) == (0, True)  # slot 1 is read by c: slot 0 is recycled
-    assert slots.slot_for("f", 10, 16) == (-1, False)  # block 10 lost its sinks: read quantized
 
 
 def test_block_value_plus_residual_carries_about_8_mantissa_bits() -> None:
@@ -107,14 +94,6 @@ def test_block_value_plus_residual_carries_about_8_mantissa_bits() -> None:
     assert ((block - x).abs() / amax).max() > 2**-6  # E4M3 alone: ~3 mantissa bits
     assert ((tail - x).abs() / amax).max() < 2**-8  # with the residual: bf16's class
     assert quantize_residual(x, block)[0].dtype == torch.float8_e4m3fn
-
-
-def test_seats_are_reused_and_a_resumed_request_starts_a_new_exact_range() -> None:
-    rows = TailRows(2)
-    assert rows.row_for("a", 0) == (0, 0) and rows.row_for("b", 32) == (1, 32)
-    assert rows.row_for("a", 50) == (0, 0)  # still the same row and range
-    rows.release(["a"])  # finished or preempted
-    assert rows.row_for("c", 16) == (0, 16)
 
 
 def test_auto_turns_the_tail_on_only_for_fp8_where_the_kernels_read_it() -> None:
@@ -197,7 +176,8 @@ def test_plan_counts_the_tail_rings() -> None:
 def test_decode_positions_match_a_sequence_by_sequence_reading() -> None:
     """The decode sequences' read positions, built as tensors, against the plain per-sequence
     definition: ring offset j holds the position p in [s0 - ring, s0) with p % ring == j,
-    valid from the sequence's first exact position; its sinks valid below that."""
+    valid from the query's segment start (s0 // W * W) or the sequence's first exact position,
+    whichever is later; its sinks valid below that."""
     rng = random.Random(0)
     for _ in range(500):
         ring, sinks = rng.choice([0, 1, 5, 23]), rng.choice([0, 1, 4])
@@ -207,7 +187,7 @@ def test_decode_positions_match_a_sequence_by_sequence_reading() -> None:
         slots = [rng.choice([-1, rng.randint(0, 9)]) for _ in range(n)]
         want_pos, want_valid = [], []
         for s, start, slot in zip(s0, starts, slots):
-            lo = max(start, s - ring)
+            lo = max(start, s // (ring + 1) * (ring + 1))
             ring_pos = [s - ring + (j - (s - ring)) % ring for j in range(ring)]
             num_read = min(sinks if slot >= 0 else 0, lo)
             pos = ring_pos + [0] * (sinks + ring) + list(range(sinks))
@@ -215,7 +195,7 @@ def test_decode_positions_match_a_sequence_by_sequence_reading() -> None:
             valid += [float(p < num_read) for p in range(sinks)]
             want_pos.append([p if v else 0 for p, v in zip(pos, valid)])
             want_valid.append(valid)
-        pos, valid = _decode_positions(ring, sinks, s0, starts, slots)
+        pos, valid = _decode_positions(ring + 1, sinks, s0, starts, slots)
         assert pos.dtype == torch.int64 and valid.dtype == torch.float32
         assert pos.shape == valid.shape == (n, 2 * (ring + sinks))
         assert pos.tolist() == want_pos and valid.tolist() == want_valid

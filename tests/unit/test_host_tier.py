@@ -18,7 +18,6 @@ from infer8.request import Request
 from infer8.sampling_params import SamplingParams
 from infer8.worker.kv_offload import HostKVCache, num_host_blocks_for
 from infer8.worker.memory import GiB
-from infer8.worker.tail_seats import SinkSlots
 
 
 def _content(i: int) -> BlockContent:
@@ -126,16 +125,6 @@ def test_block_copies_carry_fp8_scales_both_ways() -> None:
         for t in (layer.k.view(torch.uint8), layer.v.view(torch.uint8), layer.k_scale):
             assert t is not None
             assert torch.equal(t[:, 3], t[:, 1]) and torch.equal(t[:, 5], t[:, 4])
-
-
-def test_loading_into_a_block_forgets_the_sinks_it_was_keyed_by() -> None:
-    sinks = SinkSlots(2)
-    assert sinks.slot_for("r", first_block=5, exact_start=0) == (0, True)
-    sinks.release(["r"])
-    assert sinks.slot_for("s", first_block=5, exact_start=16) == (0, False)  # a device hit
-    sinks.release(["s"])
-    sinks.forget([5])  # block 5 now holds another prefix, copied in from host
-    assert sinks.slot_for("t", first_block=5, exact_start=16) == (-1, False)
 
 
 def test_host_hits_are_counted_as_vllm_counts_external_prefix_cache_hits() -> None:

@@ -36,20 +36,20 @@ def test_a_cached_prefix_and_a_causal_chunk() -> None:
 
 @pytest.mark.parametrize(
     "s0, q_len, window, exact_start, num_sinks",
-    [(0, 50, 6, 0, 4), (40, 30, 6, 0, 4), (40, 30, 6, 16, 4), (3, 10, 8, 0, 4), (40, 1, 4, 0, 0),
-     (20, 5, 30, 0, 2), (40, 30, 1, 0, 4)],
+    [(0, 50, 6, 0, 4), (40, 30, 6, 0, 4), (40, 30, 6, 16, 4), (40, 30, 6, 38, 4),
+     (3, 10, 8, 0, 4), (40, 1, 4, 0, 0), (20, 5, 30, 0, 2), (40, 30, 1, 0, 4), (0, 300, 24, 0, 4),
+     (261, 40, 24, 240, 4)],
 )  # fmt: skip
 def test_tail_parts_match_the_masked_rule(
     s0: int, q_len: int, window: int, exact_start: int, num_sinks: int
 ) -> None:
-    # query a reads quantized j iff j <= a - W or j < exact_start (its first num_sinks at tail
-    # precision), and tail values at (a - W, a]: the rule the reference mask spelled out.
+    # query a reads tail values of its segment, j >= max(a // W * W, exact_start), quantized
+    # values before (its first num_sinks at tail precision): the rule spelled out as a mask.
     torch.manual_seed(1)
     seq_len, kvh, d = s0 + q_len, 2, 16
     kb, vb = torch.randn(kvh, seq_len, d), torch.randn(kvh, seq_len, d)  # block values
     kt, vt = kb + 0.1 * torch.randn_like(kb), vb + 0.1 * torch.randn_like(vb)  # tail values
-    ring = window - 1
-    lo = max(exact_start, s0 - ring)
+    lo = max(exact_start, s0 // window * window)
     # store rows: the ring's residuals of [lo, s0), then the sinks' of [0, min(S, lo))
     ring_pos = list(range(lo, s0))
     sink_pos = list(range(min(num_sinks, lo)))
@@ -67,8 +67,9 @@ def test_tail_parts_match_the_masked_rule(
 
     a = torch.arange(s0, seq_len)[:, None]
     j = torch.arange(seq_len)[None, :]
-    quant_seen = (j <= a) & ((j <= a - window) | (j < exact_start))
-    tail_seen = (j <= a) & (j > a - window)
+    first_exact = torch.clamp(a // window * window, min=exact_start)
+    quant_seen = (j <= a) & (j < first_exact)
+    tail_seen = (j <= a) & (j >= first_exact)
     # keys: every position twice, as its quantized (block) value and as its tail value; a sink
     # is read at tail precision where it is read quantized
     sink = j < num_sinks
@@ -149,12 +150,16 @@ def test_native_two_value_rotations_are_the_separate_rotations(dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_len, window, valid_from", [(200, 24, 0), (70, 24, 30), (5, 8, 11)])
+@pytest.mark.parametrize(
+    "q_len, window, valid_from, first, exact_start",
+    [(200, 24, 0, 17, 0), (70, 24, 30, 0, 48), (5, 8, 11, -7, 0), (64, 24, 23, -23, 0)],
+)  # fmt: skip
 def test_native_band_matches_the_torch_band(
-    q_len: int, window: int, valid_from: int, dtype: torch.dtype
+    q_len: int, window: int, valid_from: int, first: int, exact_start: int, dtype: torch.dtype
 ) -> None:
     """The C band (float32 or bf16 CPU) against _band_part in float32 on the same inputs:
-    outputs and log-sum-exps, GQA 3; rows that see no key (valid_from past their window) get
+    outputs and log-sum-exps, GQA 3, each query's segment in the second values and the
+    positions before it in the first; rows that see no key (valid_from past their window) get
     -inf and zeros in both."""
     from infer8.attention.cpu.split_prefill import Band, _band_part
 
@@ -164,10 +169,14 @@ def test_native_band_matches_the_torch_band(
     q = torch.randn(kvh * group, q_len, d)
     k = torch.randn(kvh, q_len + window - 1, d) * 2
     v = torch.randn(kvh, q_len + window - 1, d)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    band = Band(k.float(), v.float(), window, valid_from)
-    want_out, want_lse = _band_part(q.float(), band, 0.125)
-    got_out, got_lse = native.band_attention(q, k, v, window, valid_from, 0.125)
+    kq, vq = k + torch.randn_like(k), v + torch.randn_like(v)
+    q, k, v, kq, vq = (x.to(dtype) for x in (q, k, v, kq, vq))
+    f = [x.float() for x in (k, v, kq, vq)]
+    want_out, want_lse = _band_part(
+        q.float(), Band(f[0], f[1], window, valid_from, f[2], f[3], first, exact_start), 0.125
+    )
+    band = Band(k, v, window, valid_from, kq, vq, first, exact_start)
+    got_out, got_lse = native.band_attention(q, band, 0.125)
     assert got_out.dtype == dtype and got_lse.dtype == torch.float32
     unseen = want_lse == -float("inf")
     assert torch.equal(got_lse == -float("inf"), unseen)
@@ -175,3 +184,6 @@ def test_native_band_matches_the_torch_band(
     torch.testing.assert_close(got_lse[~unseen], want_lse[~unseen], rtol=1e-5, atol=1e-5)
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
     torch.testing.assert_close(got_out.float(), want_out, rtol=tol, atol=tol)
+    if q_len >= window:  # the first values matter: the same band read all-exact differs
+        all_exact = Band(k, v, window, valid_from, k, v, first, exact_start)
+        assert (native.band_attention(q, all_exact, 0.125)[0] - got_out).abs().max() > 0.05

@@ -1,9 +1,15 @@
 """The exact tail of an FP8 KV cache: each sequence's latest and first tokens at 16-bit precision.
 
-One rule for prefill, chunked prefill and decode: a query at position `a` reads the keys and
-values of positions (a - W, a] and the sequence's first S positions (its "attention sinks")
-near-exactly, and everything else from the FP8 blocks. So a request's numbers do not depend on
-how the scheduler chunks it or whether it was preempted and recomputed. Storage:
+One rule for every path (a prefill chunk, a decode, a prefix hit, a host-tier load, a recompute
+after preemption): positions are cut into segments of W (the window), and a query at position `a`
+reads the keys and values of its own segment so far, [a // W * W, a], and the sequence's first S
+positions (its "attention sinks") near-exactly, everything before its segment from the FP8
+blocks. What a query reads is a function of its position alone, so a request's numbers do not
+depend on how the scheduler chunks it, what shares its step, or whether its prefix was cached:
+a prefix hit is shortened to a segment boundary (core/exact_tail_seats.py), where nothing exact
+from before the hit is needed. (A sliding window (a - W, a] would need the exact values of the
+W positions before a hit, and recomputing those needs the W before them, down to position 0.)
+Storage:
 
 - the FP8 blocks hold every token, quantized on write exactly as without a tail (dynamic
   per-token scales make "quantize when it leaves the window" the same values), so a
@@ -14,18 +20,18 @@ how the scheduler chunks it or whether it was preempted and recomputed. Storage:
   tokens cost, whatever the compute dtype. Every value a query reads "exactly" is block value +
   residual, a step's own tokens too;
 - per layer, a store ([num_kv_heads, rows, W - 1 + S, head_dim] + scales) gives each seat a ring
-  of W - 1 positions (those just before a step's own tokens; the model runner gives one row to
-  each running request, TailRows) and S sink positions;
-- sinks are keyed by the request's first block (SinkSlots): the request that computes block 0
-  writes them, and a request that hits that block in the prefix cache reads the same residuals,
-  so a shared system prompt keeps exact sinks. A hit whose block has lost its sinks (its slot was
-  reused) reads them quantized;
+  of W - 1 positions (those just before a step's own tokens; the scheduler gives one row to
+  each running request) and S sink positions;
+- sinks are keyed by the hash of the request's first block (core/exact_tail_seats.py): the
+  request that computes block 0 writes them, and a request that hits that block in the prefix
+  cache reads the same residuals, so a shared system prompt keeps exact sinks. A block whose
+  sinks are gone (their slot was reused) is not a hit: the request computes from position 0;
 - the ring is updated after attention (a long chunk would otherwise overwrite the positions it
   still has to read); sinks before it (a request may hit a block computed in the same step).
 
 A request's row holds ring values only from the first position it computed since it was given
-the row (`exact_start`): after a prefix-cache hit at `h`, queries in [h, h + W - 1) read the
-cached positions before `h` quantized (a hit is never recomputed to refill the ring).
+the row (`exact_start`, a segment boundary: 0 or a shortened hit), so no query reads its ring
+before that.
 
 Hadamard rotation (`kv_cache_hadamard`): K and q are multiplied by the same orthonormal
 (Sylvester) Hadamard matrix per head before K is stored, so q.k is unchanged in exact arithmetic
@@ -174,6 +180,12 @@ def tail_values(
     return res_q, res_scale, add_residual(x_block, res_q, res_scale)
 
 
+def segment_start(position: int, window: int) -> int:
+    """Return the first position of `position`'s segment: a query there reads [this, position]
+    at tail precision."""
+    return position // window * window
+
+
 @dataclass
 class TailMetadata:
     """Where this step's sequences read and write their tail.
@@ -185,7 +197,7 @@ class TailMetadata:
     (block value + residual, distributed), not as rewritten keys.
     """
 
-    window: int  # W: a query at position a reads (a - W, a] exactly
+    window: int  # W: a query at position a reads [a // W * W, a] exactly
     ring_size: int  # W - 1 ring positions per row
     exact_starts: list[int]  # per sequence: first position its row holds exactly
     num_sinks: list[int]  # per sequence: first positions read exactly (0: sinks lost)
@@ -234,7 +246,7 @@ def build_tail_metadata(
     for i in decode_seq_ids:
         read_rows += [rows[i], max(sinks[i][0], 0)]
     dec_pos, dec_valid = _decode_positions(
-        ring, sink_tokens, [num_computed_tokens[i] for i in decode_seq_ids],
+        window, sink_tokens, [num_computed_tokens[i] for i in decode_seq_ids],
         [exact_starts[i] for i in decode_seq_ids], [sinks[i][0] for i in decode_seq_ids],
     )  # fmt: skip
     prefill_rows: dict[int, int] = {}  # store row -> its index among the rows read
@@ -264,7 +276,7 @@ def build_tail_metadata(
                 ss.append(slot * stride + ring + s0)
             token_start += 1
             continue
-        lo = max(start, s0 - ring)
+        lo = max(start, segment_start(s0, window))
         is_prefill = i not in decode
         sink_reads.append(
             [read(slot, ring + p) for p in range(min(num_sinks[-1], lo))] if is_prefill else []
@@ -306,16 +318,18 @@ def build_tail_metadata(
 
 
 def _decode_positions(
-    ring: int, sink_tokens: int, s0: list[int], starts: list[int], slots: list[int]
+    window: int, sink_tokens: int, s0: list[int], starts: list[int], slots: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the decode sequences' read positions and validity ([B, 2 * (ring + S)] int64,
     float32): per sequence its ring row's ring positions and S zeros, then its sink row's
     ring zeros and sink positions 0..S-1; a position is valid when the sequence reads it from
-    the store (ring positions from its first exact one, sinks below it). Invalid ones read 0.
+    the store (ring positions of its segment from its first exact one, sinks below it). Invalid
+    ones read 0.
     """
-    b = len(s0)  # numpy: a dozen small ops at ~1 us each instead of ~8 (a decode step's cost)
-    first = np.asarray(s0, dtype=np.int64) - ring  # [B]: the ring's oldest position
-    lo = np.maximum(np.asarray(starts, dtype=np.int64), first)
+    b, ring = len(s0), window - 1  # numpy: a dozen ~1 us ops instead of ~8 (a decode's cost)
+    s0_np = np.asarray(s0, dtype=np.int64)
+    first = s0_np - ring  # [B]: the ring's oldest position
+    lo = np.maximum(np.asarray(starts, dtype=np.int64), s0_np // window * window)
     # ring offset j holds the position p in [s0 - ring, s0) with p % ring == j
     offsets = np.arange(ring, dtype=np.int64)
     ring_pos = first[:, None] + np.remainder(offsets[None, :] - first[:, None], max(ring, 1))

@@ -228,9 +228,10 @@ def _prefill_exact(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return a prefill chunk's tail-precision K and V ([kv_heads, seq_len, d]) and its reads.
 
-    Query at position a reads position j at tail precision iff j >= lo and j > a - W (its ring
-    positions [lo, s0) from the store, the chunk's own from `new`), or j is one of the sinks
-    among the positions it reads quantized (from the store below lo).
+    Query at position a reads position j at tail precision iff j is in a's segment,
+    j >= max(a // W * W, exact_start) (ring positions [lo, s0) from the store, the chunk's own
+    from `new`), or j is one of the sinks among the positions it reads quantized (from the
+    store below lo).
     """
     seq_len, q_len = k.shape[1], new[0].shape[0]
     s0 = seq_len - q_len
@@ -243,11 +244,13 @@ def _prefill_exact(
         e[:, s0:] = x_new.transpose(0, 1)
         e[:, : sinks.numel()] += res[:, sinks]
         exact.append(e)
-    num_quant = min(seq_len, max(seq_len - tail.window, tail.exact_starts[seq], 0))
+    window, start = tail.window, tail.exact_starts[seq]
+    num_quant = min(seq_len, max((seq_len - 1) // window * window, start))
     num_sinks = min(tail.num_sinks[seq], num_quant)
     pos = torch.arange(seq_len, device=k.device)[None, :]
     query = torch.arange(s0, seq_len, device=k.device)[:, None]
-    reads = ((pos >= lo) & (pos > query - tail.window)) | (pos < num_sinks)
+    first_exact = torch.clamp(query // window * window, min=start)  # its segment, held exactly
+    reads = (pos >= first_exact) | (pos < num_sinks)
     return exact[0], exact[1], reads
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from infer8.core.block_pool import BlockHash, BlockPool, hash_block_tokens
+from infer8.core.exact_tail_seats import ExactTailSeats, TailSeat
 from infer8.core.host_tier import HostKVTier, HostTransfers
 from infer8.core.kv_events import KVCacheEvent
 from infer8.request import Request
@@ -21,6 +22,10 @@ class KVCacheManager:
 
     With `num_host_blocks` (and caching), evicted cached blocks go to a host-memory tier
     (core/host_tier.py) and `get_host_hits` continues a prefix lookup there.
+
+    With `exact_tail` ((rows, window W, sinks S) of an FP8 cache's exact tail), running
+    requests hold a tail seat too (core/exact_tail_seats.py), given with `seat` and taken back
+    by `free`, and `find_prefix` shortens hits to what the tail can restore.
     """
 
     def __init__(
@@ -30,8 +35,12 @@ class KVCacheManager:
         enable_caching: bool = True,
         enable_kv_cache_events: bool = False,
         num_host_blocks: int = 0,
+        exact_tail: tuple[int, int, int] | None = None,
     ) -> None:
         self.block_size = block_size
+        self.tail: ExactTailSeats | None = None
+        if exact_tail is not None and exact_tail[0] > 0:
+            self.tail = ExactTailSeats(*exact_tail, block_size)
         self.enable_caching = enable_caching
         use_host = enable_caching and num_host_blocks > 0
         self.block_pool = BlockPool(
@@ -128,6 +137,40 @@ class KVCacheManager:
         hashes = self.block_hashes(request, max_num_blocks)
         return self.host_tier.lookup(hashes[num_device_blocks:])
 
+    def find_prefix(self, request: Request) -> tuple[list[int], list[int]]:
+        """Return a new request's usable prefix hits: (device blocks, host slots after them).
+
+        The longest cached prefix (get_computed_blocks, then get_host_hits), shortened to
+        what an exact tail can restore (ExactTailSeats.usable_hit).
+        """
+        block_ids, _ = self.get_computed_blocks(request)
+        host_slots = self.get_host_hits(request, len(block_ids))
+        if self.tail is None or not (block_ids or host_slots):
+            return block_ids, host_slots
+        num_tokens = (len(block_ids) + len(host_slots)) * self.block_size
+        num_blocks = self.tail.usable_hit(num_tokens, self._sink_key(request)) // self.block_size
+        return block_ids[:num_blocks], host_slots[: max(0, num_blocks - len(block_ids))]
+
+    def can_seat(self) -> bool:
+        """Return whether one more request can run (an exact tail has a row for it)."""
+        return self.tail is None or self.tail.num_free_rows > 0
+
+    def seat(self, request: Request) -> None:
+        """Give an admitted request its exact-tail seat (nothing without a tail), computed from
+        its num_computed_tokens on."""
+        if self.tail is not None:
+            self.tail.seat(request.request_id, request.num_computed_tokens, self._sink_key(request))
+
+    def get_seat(self, request_id: str) -> TailSeat | None:
+        """Return a running request's exact-tail seat (None without a tail)."""
+        return None if self.tail is None else self.tail.get(request_id)
+
+    def _sink_key(self, request: Request) -> BlockHash | None:
+        """Return what the request's sinks are keyed by: its first block's hash (None if it
+        has no full block yet)."""
+        hashes = self.block_hashes(request, 1)
+        return hashes[0] if hashes else None
+
     def allocate_slots(
         self,
         request: Request,
@@ -199,9 +242,12 @@ class KVCacheManager:
         return self.req_to_block_ids.get(request_id, [])
 
     def free(self, request_id: str) -> None:
-        """Return all of the request's blocks to the pool (cached ones stay reusable)."""
+        """Return all of the request's blocks to the pool (cached ones stay reusable), and its
+        exact-tail seat."""
         block_ids = self.req_to_block_ids.pop(request_id, [])
         self.req_to_num_cached_blocks.pop(request_id, None)
+        if self.tail is not None:
+            self.tail.release(request_id)
         # Free in reverse so the tail blocks, least likely to be shared later, are evicted first.
         self.block_pool.free(block_ids[::-1])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infer8.core.exact_tail_seats import TailSeat
 from infer8.sampling_params import SamplingParams
 
 
@@ -27,6 +28,8 @@ class ScheduledRequest:
     block_ids: list[int]
     # False for a prefill chunk that stops short of the last known token: nothing to sample.
     sample: bool = True
+    # An FP8 cache's exact tail: where this request's ring and sinks are (None without one).
+    tail: TailSeat | None = None
 
 
 @dataclass

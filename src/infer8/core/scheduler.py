@@ -127,6 +127,7 @@ class SchedulerBase:
                 num_new_tokens=num_new_tokens,
                 block_ids=list(self.kv_cache_manager.get_block_ids(request.request_id)),
                 sample=end == request.num_tokens,
+                tail=self.kv_cache_manager.get_seat(request.request_id),
             )
         )
         self._stats.scheduled_req_ids.append(request.request_id)
@@ -219,6 +220,7 @@ class Scheduler(SchedulerBase):
             not preempted
             and self.waiting
             and len(self.running) < self.max_num_seqs
+            and self.kv_cache_manager.can_seat()
             and token_budget > 0
         ):
             request = self.waiting.peek_request()
@@ -226,10 +228,11 @@ class Scheduler(SchedulerBase):
                 break
             assert request.num_computed_tokens == 0  # new, or preempted and recomputed
             # The longest cached prefix (a preempted request often finds its own blocks again),
-            # continued in the host tier (those blocks are loaded, not computed).
+            # continued in the host tier (those blocks are loaded, not computed), as far as an
+            # exact tail can restore it.
             kv = self.kv_cache_manager
-            computed_block_ids, num_device_computed = kv.get_computed_blocks(request)
-            host_slots = kv.get_host_hits(request, len(computed_block_ids))
+            computed_block_ids, host_slots = kv.find_prefix(request)
+            num_device_computed = len(computed_block_ids) * kv.block_size
             num_computed = num_device_computed + len(host_slots) * kv.block_size
             num_new = min(request.num_tokens - num_computed, token_budget)
             if (
@@ -239,6 +242,7 @@ class Scheduler(SchedulerBase):
                 break
             self.waiting.pop_request()
             request.num_computed_tokens = num_computed
+            kv.seat(request)
             request.status = RequestStatus.RUNNING
             self._add_running(request)
             self._stats.admitted_req_ids.append(request.request_id)
@@ -288,9 +292,8 @@ class Scheduler(SchedulerBase):
             token_budget -= num_new
         if token_budget <= 0:
             return None
-        computed_block_ids, num_device_computed = kv.get_computed_blocks(request)
-        host_slots = kv.get_host_hits(request, len(computed_block_ids))
-        num_computed = num_device_computed + len(host_slots) * kv.block_size
+        computed_block_ids, host_slots = kv.find_prefix(request)
+        num_computed = (len(computed_block_ids) + len(host_slots)) * kv.block_size
         num_new = min(request.num_tokens - num_computed, token_budget)
         num_blocks = kv.num_blocks_to_allocate(
             request.request_id, num_computed + num_new, computed_block_ids

@@ -48,10 +48,12 @@ class StaticScheduler(SchedulerBase):
 
     def _admit_batch(self) -> None:
         """Take up to max_num_seqs waiting requests whose full reservation fits."""
-        while self.waiting and len(self.batch) < self.max_num_seqs:
+        kv = self.kv_cache_manager
+        while self.waiting and len(self.batch) < self.max_num_seqs and kv.can_seat():
             request = self.waiting.peek_request()
-            if self.kv_cache_manager.allocate_slots(request, request.max_num_tokens) is None:
+            if kv.allocate_slots(request, request.max_num_tokens) is None:
                 break
+            kv.seat(request)
             self.waiting.pop_request()
             request.status = RequestStatus.RUNNING
             self.batch.append(request)

@@ -29,8 +29,11 @@ def score_tokens(engine: LLMEngine, token_ids: list[int], chunk_tokens: int = 51
     req_id = "__score__"
     # Its own cache salt: whatever it leaves in the prefix cache is never reused by a request.
     request = Request(req_id, token_ids, SamplingParams(max_tokens=1), [], cache_salt=req_id)
-    if manager.allocate_slots(request, n) is None:
+    if not manager.can_seat() or manager.allocate_slots(request, n) is None:
         raise ValueError(f"the KV cache cannot hold {n} tokens")
+    # a seat of its own, computed from position 0, from the KV cache manager like a request's
+    manager.seat(request)
+    seat = manager.get_seat(req_id)
     try:
         block_ids = manager.get_block_ids(req_id)
         device = engine.model_config.device
@@ -41,19 +44,14 @@ def score_tokens(engine: LLMEngine, token_ids: list[int], chunk_tokens: int = 51
             meta = build_attention_metadata(
                 [len(chunk)], [start], [block_ids], engine.cache_config.block_size, device
             )
-            if runner.tail_rows is not None and runner.sink_slots is not None:
-                # a seat of its own (the engine is idle), exact from position 0; its sinks are
-                # keyed by its first block like a request's, so no other block's are overwritten
-                row, _ = runner.tail_rows.row_for(req_id, 0)
-                sinks = (-1, False)
-                if runner.exact_sink_tokens:
-                    sinks = runner.sink_slots.slot_for(req_id, block_ids[0], 0)
+            if runner.has_tail:
+                assert seat is not None
                 meta.tail = build_tail_metadata(
                     runner.exact_tail_tokens,
                     runner.exact_sink_tokens,
-                    [row],
-                    [0],
-                    [sinks],
+                    [seat.row],
+                    [seat.exact_start],
+                    [(seat.sink_slot, seat.writes_sinks)],
                     [len(chunk)],
                     [start],
                     meta.decode_seq_ids,
@@ -69,5 +67,4 @@ def score_tokens(engine: LLMEngine, token_ids: list[int], chunk_tokens: int = 51
             out.append(torch.log_softmax(engine.worker.model.compute_logits(hidden), dim=-1))
         return torch.cat(out)
     finally:
-        engine.worker.runner.release_tail([req_id])
         manager.free(req_id)

@@ -209,6 +209,7 @@ def warm_up_runtime(
     driver counts them) that capturing the decode graphs on the throwaway cache took; 0
     without graphs.
     """
+    from infer8.core.exact_tail_seats import TailSeat
     from infer8.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
     from infer8.sampling_params import SamplingParams
     from infer8.worker.model_runner import ModelRunner
@@ -237,13 +238,21 @@ def warm_up_runtime(
     new = [
         NewRequestData(f"warm-up-{i}", [i + 1] * n, p) for i, (n, p) in enumerate(zip(lens, params))
     ]
+    # each its own tail row and sink slot, as the scheduler would seat them
+    seats = [TailSeat(i, 0, i if kv_spec.exact_sink_tokens else -1, True) for i in range(len(new))]
     prefill = SchedulerOutput(
         scheduled_new_reqs=new,
-        scheduled=[ScheduledRequest(r.req_id, 0, n, b) for r, n, b in zip(new, lens, block_ids)],
+        scheduled=[
+            ScheduledRequest(r.req_id, 0, n, b, tail=seat)
+            for r, n, b, seat in zip(new, lens, block_ids, seats)
+        ],
     )
     runner.execute(prefill)
     decode = SchedulerOutput(
-        scheduled=[ScheduledRequest(r.req_id, n, 1, b) for r, n, b in zip(new, lens, block_ids)],
+        scheduled=[
+            ScheduledRequest(r.req_id, n, 1, b, tail=seat)
+            for r, n, b, seat in zip(new, lens, block_ids, seats)
+        ],
         new_token_ids={r.req_id: 1 for r in new},
     )
     runner.execute(decode)

@@ -21,7 +21,6 @@ from infer8.worker.block_tables import BlockTables
 from infer8.worker.kv_offload import HostKVCache
 from infer8.worker.penalties import SamplingState
 from infer8.worker.sampler import Sampler
-from infer8.worker.tail_seats import SinkSlots, TailRows
 
 if TYPE_CHECKING:  # triton is only needed (and installed) on CUDA machines
     from infer8.structured_output.manager import StructuredOutputManager
@@ -58,46 +57,24 @@ class ModelRunner:
         self.graph_runner: CUDAGraphDecodeRunner | None = None
         # Rank 0's grammars (the engine's): mask constrained rows' logits before sampling.
         self.structured_output = structured_output
-        # An FP8 cache's exact tail: one ring row per running request (a seat), and as many
-        # sink slots, keyed by first blocks.
+        # An FP8 cache's exact tail: the scheduler gives each running request a ring row and
+        # sinks (ScheduledRequest.tail); the runner only builds the step's indices from them.
         self.exact_tail_tokens = exact_tail.exact_tail_tokens if exact_tail else 0
         self.exact_sink_tokens = exact_tail.exact_sink_tokens if exact_tail else 0
-        self.tail_rows: TailRows | None = None
-        self.sink_slots: SinkSlots | None = None
-        if self.exact_tail_tokens and kv_caches and kv_caches[0].tail_store is not None:
-            num_rows = kv_caches[0].tail_store[0].shape[1]
-            self.tail_rows = TailRows(num_rows)
-            self.sink_slots = SinkSlots(num_rows)
-
-    def release_tail(self, req_ids: list[str] | None = None) -> None:
-        """Return the seats of requests that left (all of them when req_ids is None)."""
-        if self.tail_rows is None or self.sink_slots is None:
-            return
-        if req_ids is None:
-            self.tail_rows.release_all()
-            self.sink_slots.release_all()
-        else:
-            self.tail_rows.release(req_ids)
-            self.sink_slots.release(req_ids)
+        self.has_tail = bool(
+            self.exact_tail_tokens and kv_caches and kv_caches[0].tail_store is not None
+        )
 
     def _add_tail_metadata(self, sched: SchedulerOutput, meta: AttentionMetadata) -> None:
-        """Give new (or resumed) requests a ring row and sinks; attach the tail's indices."""
-        assert self.tail_rows is not None and self.sink_slots is not None
-        rows, starts = zip(
-            *(self.tail_rows.row_for(s.req_id, s.num_computed_tokens) for s in sched.scheduled)
-        )
-        sinks = [
-            self.sink_slots.slot_for(s.req_id, s.block_ids[0], start)
-            if self.exact_sink_tokens
-            else (-1, False)
-            for s, start in zip(sched.scheduled, starts)
-        ]
+        """Attach the tail's indices, from the seats the scheduler gave."""
+        seats = [s.tail for s in sched.scheduled]
+        assert all(seat is not None for seat in seats), "a running request without a tail seat"
         meta.tail = build_tail_metadata(
             self.exact_tail_tokens,
             self.exact_sink_tokens,
-            list(rows),
-            list(starts),
-            sinks,
+            [seat.row for seat in seats],  # type: ignore[union-attr]
+            [seat.exact_start for seat in seats],  # type: ignore[union-attr]
+            [(seat.sink_slot, seat.writes_sinks) for seat in seats],  # type: ignore[union-attr]
             [s.num_new_tokens for s in sched.scheduled],
             [s.num_computed_tokens for s in sched.scheduled],
             meta.decode_seq_ids,
@@ -106,10 +83,9 @@ class ModelRunner:
         )
 
     def reset(self) -> None:
-        """Forget every request (after a failed step): states, block rows, tail seats."""
+        """Forget every request (after a failed step): states and block rows."""
         self.states.clear()
         self.block_tables.clear()
-        self.release_tail()
 
     def _transfer_host_blocks(self, sched: SchedulerOutput) -> None:
         """Do the host tier's copies before the step writes any block: saves, then loads."""
@@ -118,8 +94,6 @@ class ModelRunner:
         assert self.host_kv_cache is not None, "host copies without a host tier"
         self.host_kv_cache.save(self.kv_caches, sched.host_save_block_ids, sched.host_save_slots)
         self.host_kv_cache.load(self.kv_caches, sched.host_load_slots, sched.host_load_block_ids)
-        if self.sink_slots is not None:  # a loaded first block brings no exact sinks back
-            self.sink_slots.forget(sched.host_load_block_ids)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -133,7 +107,6 @@ class ModelRunner:
             self.states.pop(req_id, None)
         for req_id in sched.finished_req_ids + sched.preempted_req_ids:
             self.block_tables.remove(req_id)
-        self.release_tail(sched.finished_req_ids + sched.preempted_req_ids)
         self._transfer_host_blocks(sched)
         for new in sched.scheduled_new_reqs:
             self.block_tables.remove(new.req_id)  # a resumed request's blocks start afresh
@@ -166,7 +139,7 @@ class ModelRunner:
         # Static-batch padding: dummy tokens that go through every layer and attend to nothing.
         input_ids.extend([0] * sched.num_padding_tokens)
         positions = np.concatenate([positions, np.zeros(sched.num_padding_tokens, np.int64)])
-        if self.tail_rows is not None:
+        if self.has_tail:
             self._add_tail_metadata(sched, meta)
         ids_t = to_device(np.asarray(input_ids, dtype=np.int64), self.device)
         pos_t = to_device(positions, self.device)

@@ -373,7 +373,7 @@ class Worker:
             self.cache_config.block_size,
             self.max_model_len,
             self.scheduler_config.max_num_seqs,
-            tail_window=self.kv_spec.exact_tail_tokens if self.runner.tail_rows else 0,
+            tail_window=self.kv_spec.exact_tail_tokens if self.runner.has_tail else 0,
         )
         graph_runner.capture()
         self.runner.graph_runner = graph_runner

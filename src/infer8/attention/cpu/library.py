@@ -33,7 +33,10 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "greedy_rows": (_P, _I64, _I64, _F32, _P),
     "nucleus_candidates": (_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P),
     "rope": (_P, _I64, _I64, _I64, _I64, _P, _P, _I32),
-    "band_attention": (_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I32, _P, _P),
+    "band_attention": (
+        _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I32, _P,
+        _P,
+    ),
 }  # fmt: skip
 # The functions with long argument lists take one struct (csrc/args.h), fields in its order.
 _STRUCTS: dict[str, tuple[tuple[str, type], ...]] = {

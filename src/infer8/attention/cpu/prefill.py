@@ -5,10 +5,14 @@ the causal pass over a step's own K / V."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from infer8.attention.cpu.library import NativeLibrary
+
+if TYPE_CHECKING:
+    from infer8.attention.cpu.split_prefill import Band
 
 
 def _supported(x: torch.Tensor) -> bool:
@@ -34,25 +38,22 @@ class PrefillKernels:
         self._no_second = torch.zeros(0, dtype=torch.uint8)  # causal_attention: no second value
 
     def band_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        window: int,
-        valid_from: int,
-        scale: float,
+        self, q: torch.Tensor, band: Band, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (out [H, q_len, d], lse [H, q_len]) of split_prefill's band, float32 or bf16 CPU:
-        query i sees keys i .. i + window - 1 of k, v [kvh, n, d], those below valid_from
-        excepted (a query that sees none: lse -inf, zeros)."""
+        query i sees keys i .. i + window - 1 of the band's [kvh, n, d] values, those below
+        valid_from excepted, each in its block or tail value (Band; a query that sees none:
+        lse -inf, zeros)."""
         num_heads, q_len, d = q.shape
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        assert _supported(q) and q.dtype == k.dtype == v.dtype
+        q = q.contiguous()
+        k, v, kq, vq = (x.contiguous() for x in (band.k, band.v, band.kq, band.vq))
+        assert _supported(q) and q.dtype == k.dtype == v.dtype == kq.dtype == vq.dtype
         out = torch.empty_like(q)
         lse = torch.empty((num_heads, q_len), dtype=torch.float32)
         self.lib.band_attention(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), num_heads, num_heads // k.shape[0],
-            q_len, k.shape[1], d, window, valid_from, scale, int(q.dtype == torch.bfloat16),
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), kq.data_ptr(), vq.data_ptr(), num_heads,
+            num_heads // k.shape[0], q_len, k.shape[1], d, band.window, band.valid_from,
+            band.first_position, band.exact_start, scale, int(q.dtype == torch.bfloat16),
             out.data_ptr(), lse.data_ptr(),
         )  # fmt: skip
         return out, lse

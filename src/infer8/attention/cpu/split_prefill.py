@@ -34,13 +34,25 @@ class KeyRange:
 
 @dataclass
 class Band:
-    """Keys and values of positions [first, first + q_len + W - 1) ([kvh, n, d]): query i sees
-    window positions i .. i + W - 1 of them, those below `valid_from` excepted."""
+    """Keys and values of positions [first, first + q_len + W - 1) ([kvh, n, d]), in two
+    values: query i sees window positions i .. i + W - 1 of them (those below `valid_from`
+    excepted), those before band index `exact_from[i]` in their first value (kq, vq, the FP8
+    blocks'), the rest in their second (k, v, at tail precision)."""
 
     k: torch.Tensor
     v: torch.Tensor
     window: int
     valid_from: int
+    kq: torch.Tensor
+    vq: torch.Tensor
+    first_position: int  # the band's position 0, and the first query's position - (W - 1)
+    exact_start: int  # a query at a reads exactly from max(a // W * W, exact_start)
+
+    def exact_from(self, q_len: int, device: torch.device) -> torch.Tensor:
+        """Return each query's first band index read at tail precision ([q_len] int64)."""
+        a = torch.arange(q_len, device=device) + self.first_position + self.window - 1
+        first = torch.clamp(a // self.window * self.window, min=self.exact_start)
+        return first - self.first_position
 
 
 def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -100,16 +112,27 @@ def _band_part(
         if pad_q:
             x = torch.nn.functional.pad(x, (0, 0, 0, pad_q))
         kv.append(x.unfold(1, span, block).transpose(2, 3).reshape(kvh * nb, span, d))
-    scores = torch.bmm(qb, kv[0].transpose(1, 2)).float() * scale  # [kvh*nb, G*B, span]
-    scores = scores.view(kvh, nb, group, block, span)
+    kv_q = []
+    for x in (band.kq, band.vq):
+        if pad_q:
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad_q))
+        kv_q.append(x.unfold(1, span, block).transpose(2, 3).reshape(kvh * nb, span, d))
     rows = torch.arange(block, device=q.device)[:, None]
     cols = torch.arange(span, device=q.device)[None, :]
     first = torch.arange(nb, device=q.device)[:, None, None] * block  # each block's first key
+    exact_from = torch.nn.functional.pad(band.exact_from(q_len, q.device), (0, pad_q))
+    exact = (first + cols >= exact_from.view(nb, block, 1))[None, :, None]  # [1, nb, 1, B, span]
+    scores_e = torch.bmm(qb, kv[0].transpose(1, 2)).float() * scale  # [kvh*nb, G*B, span]
+    scores_q = torch.bmm(qb, kv_q[0].transpose(1, 2)).float() * scale
+    shape = (kvh, nb, group, block, span)
+    scores = torch.where(exact, scores_e.view(shape), scores_q.view(shape))
     seen = (cols >= rows) & (cols < rows + w) & (first + cols >= band.valid_from)
     scores.masked_fill_(~seen[None, :, None], -float("inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [kvh, nb, G, B]
     probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0).to(q.dtype)
-    out = torch.bmm(probs.view(kvh * nb, group * block, span), kv[1])  # [kvh*nb, G*B, d]
+    p_e = (probs * exact).view(kvh * nb, group * block, span)
+    p_q = (probs * ~exact).view(kvh * nb, group * block, span)
+    out = torch.bmm(p_e, kv[1]) + torch.bmm(p_q, kv_q[1])  # [kvh*nb, G*B, d]
     out = out.view(kvh, nb, group, block, d).permute(0, 2, 1, 3, 4).reshape(kvh, group, -1, d)
     lse = lse.permute(0, 2, 1, 3).reshape(kvh, group, -1)
     return (
@@ -132,7 +155,7 @@ def split_prefill_attention(
     """
     parts = [_range_part(q, r, scale) for r in ranges]
     if band is not None and native is not None and q.dtype in (torch.float32, torch.bfloat16):
-        parts.append(native.band_attention(q, band.k, band.v, band.window, band.valid_from, scale))
+        parts.append(native.band_attention(q, band, scale))
     elif band is not None:
         parts.append(_band_part(q, band, scale))
     lse = torch.logsumexp(torch.stack([s for _, s in parts]), dim=0)  # [H, q_len]

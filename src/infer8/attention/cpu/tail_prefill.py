@@ -1,7 +1,7 @@
 """Prefill attention with an FP8 cache's exact tail: which value each (query, key) pair reads.
 
-A prefill query at position a reads positions (a - W, a] and its sequence's sinks as block value
-+ residual, the rest as block values (exact_tail.py). Two forms of the same rule, per sequence:
+A prefill query at position a reads its segment [a // W * W, a] and its sequence's sinks as block
+value + residual, the rest as block values (exact_tail.py). Two forms of the same rule, per sequence:
 
 - `prefill_parts`: key ranges and a band for split_prefill_attention (long contexts: SDPA's
   flash kernel per range, no [q_len, keys] mask);
@@ -53,7 +53,7 @@ class SequenceTail:
         """Return (s0, lo, num_quant): the chunk's first position, the first ring position it
         reads, how many positions some query reads quantized."""
         s0 = seq_len - self.new[0].shape[0]
-        num_quant = min(seq_len, max(seq_len - self.window, self.exact_start, 0))
+        num_quant = min(seq_len, max((seq_len - 1) // self.window * self.window, self.exact_start))
         return s0, s0 - self.ring.numel(), num_quant
 
 
@@ -102,35 +102,42 @@ def prefill_parts(
     """Return one sequence's key ranges and band for split_prefill_attention.
 
     k, v: [kvh, seq_len, d] dequantized blocks (changed: the sinks' values). Query at position
-    a reads quantized position j iff j <= a - W or j < exact_start (the first num_sinks of them
-    at tail precision), and tail values at (a - W, a].
+    a reads [0, a - W] quantized (the first num_sinks at tail precision) through the ranges,
+    and (a - W, a] through the band: its segment's positions (from max(a // W * W,
+    exact_start)) at tail precision, the ones before quantized.
     """
     seq_len, window, ring_slots, sink_slots = k.shape[1], tail.window, tail.ring, tail.sinks
     s0, lo, num_quant = tail.bounds(seq_len)
     num_sink = min(tail.num_sinks, num_quant)
-    # the band covers positions [s0 - W + 1, seq_len); below lo it is never read
-    pad = lo - (s0 - window + 1)
-    quant, exact = [], []
+    first = s0 - window + 1  # the band's position 0; those below 0 are never read
+    valid_from = max(0, -first)
+    quant, band_q, band_e = [], [], []
     for x, res, x_new in zip((k, v), tail.residuals, tail.new):
-        band = x.new_zeros(x.shape[0], pad + seq_len - lo, x.shape[2])
-        band[:, pad : pad + s0 - lo] = x[:, lo:s0]  # ring positions: block value + residual
+        exact = torch.cat([x[:, lo:s0], x_new.transpose(0, 1).to(x.dtype)], dim=1)  # [lo, n)
         if ring_slots.numel():
-            band[:, pad : pad + s0 - lo] += res[:, ring_slots]
-        band[:, pad + s0 - lo :] = x_new.transpose(0, 1)
-        if num_sink:  # the sinks among the quantized keys (x is this call's own dequantized
-            # copy, and the band was taken first): from the store, or from the band
+            exact[:, : s0 - lo] += res[:, ring_slots]
+        if num_sink:  # the sinks among the quantized keys (x is this call's own copy)
             from_store = min(num_sink, lo)
             x[:, :from_store] += res[:, sink_slots[:from_store]]
-            x[:, from_store:num_sink] = band[:, pad + from_store - lo : pad + num_sink - lo]
+            x[:, from_store:num_sink] = exact[:, from_store - lo : num_sink - lo]
+        shape = (x.shape[0], seq_len - first, x.shape[2])
+        e = x.new_zeros(shape)
+        e[:, lo - first :] = exact
+        b = x.new_zeros(shape)
+        b[:, valid_from:] = x[:, first + valid_from :]
         quant.append(x[:, :num_quant])
-        exact.append(band)
+        band_q.append(b)
+        band_e.append(e)
     # every query sees quantized [0, f); query s0 + i sees [f, s0 + i - W] too
-    f = min(num_quant, max(tail.exact_start, s0 - window + 1, 0))
+    f = min(num_quant, max(first, 0))
     ranges = [
         KeyRange(quant[0][:, :f], quant[1][:, :f]),
         KeyRange(quant[0][:, f:], quant[1][:, f:], causal=True, q_start=f - s0 + window),
     ]
-    return ranges, Band(exact[0], exact[1], window, pad)
+    band = Band(
+        band_e[0], band_e[1], window, valid_from, band_q[0], band_q[1], first, tail.exact_start
+    )
+    return ranges, band
 
 
 def dense_parts(
@@ -140,8 +147,9 @@ def dense_parts(
 
     The dense form of prefill_parts (same arguments, same rule) for two_value_attention:
     ([kvh, seq_len, d] K and V with block + residual wherever a residual is held, block values
-    elsewhere), [q_len, seq_len] bool: query a reads position j exactly iff j >= lo and
-    j > a - W, or j is one of the sinks among its quantized positions.
+    elsewhere), [q_len, seq_len] bool: query a reads position j exactly iff j is in its
+    segment (j >= max(a // W * W, exact_start)), or j is one of the sinks among its quantized
+    positions.
     """
     seq_len, ring_slots, sink_slots = k.shape[1], tail.ring, tail.sinks
     s0, lo, num_quant = tail.bounds(seq_len)
@@ -157,22 +165,24 @@ def dense_parts(
         if sink_slots.numel():  # sinks below lo, from their slot (those above: ring or new)
             e[:, : sink_slots.numel()] += res[:, sink_slots]
         exact.append(e)
-    reads = _reads(seq_len, s0, lo, tail.window, min(tail.num_sinks, num_quant), k.device)
+    num_sinks = min(tail.num_sinks, num_quant)
+    reads = _reads(seq_len, s0, tail.exact_start, tail.window, num_sinks, k.device)
     return (exact[0], exact[1]), reads
 
 
 def fresh_reads(seq_len: int, window: int, num_sinks: int) -> torch.Tensor:
     """Return dense_parts' reads for a prompt computed whole in one step (no ring, nothing
     held before it): [seq_len, seq_len] bool."""
-    num_quant = max(seq_len - window, 0)
+    num_quant = (seq_len - 1) // window * window
     return _reads(seq_len, 0, 0, window, min(num_sinks, num_quant), torch.device("cpu"))
 
 
 def _reads(
-    seq_len: int, s0: int, lo: int, window: int, num_sinks: int, device: torch.device
+    seq_len: int, s0: int, exact_start: int, window: int, num_sinks: int, device: torch.device
 ) -> torch.Tensor:
     """[seq_len - s0, seq_len] bool: query a (positions s0..) reads position j's tail value iff
-    j >= lo and j > a - window, or j < num_sinks."""
+    j >= max(a // window * window, exact_start), or j < num_sinks."""
     pos = torch.arange(seq_len, device=device)[None, :]
     query = torch.arange(s0, seq_len, device=device)[:, None]
-    return ((pos >= lo) & (pos > query - window)) | (pos < num_sinks)
+    first_exact = torch.clamp(query // window * window, min=exact_start)
+    return (pos >= first_exact) | (pos < num_sinks)

@@ -13,7 +13,7 @@ A step on the CUDA backend does, per layer:
    attention: a long chunk overwrites ring positions its first queries still read).
 
 Query a reads position j exactly iff j has a residual (j >= lo or j < the sinks) and j is in
-its window (j > a - W) or a sink. Every index is a per-token or per-sequence tensor of fixed
+its segment (j >= a // W * W) or a sink. Every index is a per-token or per-sequence tensor of fixed
 shape, so a CUDA-graph bucket holds them in static buffers (cuda_graphs.py).
 """
 
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer8.attention.exact_tail import TailMetadata
+from infer8.attention.exact_tail import TailMetadata, segment_start
 
 # Columns of the per-sequence tail table the attention kernels read (constexpr: jit code may
 # read module globals only as constants).
@@ -59,7 +59,7 @@ def build_tail_step(
         rows = []
         for i in ids:
             s0 = seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i])
-            lo = max(tail.exact_starts[i], s0 - ring)
+            lo = max(tail.exact_starts[i], segment_start(s0, tail.window))
             rows.append([lo, tail.num_sinks[i], tail.rows[i], max(tail.sink_rows[i], 0)])
         return torch.tensor(rows, dtype=torch.int32, device=device).view(len(ids), 4)
 
@@ -78,8 +78,8 @@ def tail_exact(offs_n, mask_n, positions, lo, num_sinks, window):
     Also returns, per key, whether it has a residual at all (for load_residual).
     """
     has_res = mask_n & ((offs_n >= lo) | (offs_n < num_sinks))
-    in_window = offs_n[None, :] > positions[:, None] - window
-    return has_res[None, :] & (in_window | (offs_n < num_sinks)[None, :]), has_res
+    in_segment = offs_n[None, :] >= (positions // window * window)[:, None]
+    return has_res[None, :] & (in_segment | (offs_n < num_sinks)[None, :]), has_res
 
 
 @triton.jit
@@ -115,7 +115,7 @@ def seq_tail(
 def tile_has_tail(n0, lo, num_sinks, min_position, window, BLOCK_N: tl.constexpr):
     """Return whether keys [n0, n0 + BLOCK_N) hold an exact position for a query >= min_position."""
     last = n0 + BLOCK_N - 1
-    return (n0 < num_sinks) | ((last >= lo) & (last > min_position - window))
+    return (n0 < num_sinks) | ((last >= lo) & (last >= min_position // window * window))
 
 
 @triton.jit
