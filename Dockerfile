@@ -34,7 +34,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH
 
 # A C compiler at run time: Triton builds its CUDA launcher with it (against Python.h) on first
-# use, and the CPU kernels (src/infer8/attention/cpu/csrc) is built with it; without one the GPU path
+# use, and the CPU kernels (src/infer8/kernels/cpu/csrc) is built with it; without one the GPU path
 # fails on the first request and the CPU path falls back to slower torch code.
 RUN set -eux; \
     apt-get update; \

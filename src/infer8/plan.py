@@ -30,9 +30,9 @@ import torch
 from infer8.attention.exact_tail import resolve_exact_tail
 from infer8.attention.kv_cache import KVCacheSpec
 from infer8.config import KVCacheDType, cuda_max_num_batched_tokens
+from infer8.distributed.sharding import check_tensor_parallel_size, kv_heads_per_rank
 from infer8.plan_presets import (
     BF16_BYTES,
-    KV_ELEMENT_BYTES,
     WEIGHT_DTYPES,
     DeviceSpec,
     GiB,
@@ -72,11 +72,11 @@ class PlanInputs:
     kv_cache_exact_sink_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype in KV_ELEMENT_BYTES:  # the engine's auto (the worker's rule)
+        if self.kv_cache_dtype in KVCacheDType.choices():  # the engine's auto (the worker's rule)
             tail = resolve_exact_tail(
                 self.kv_cache_exact_tail_tokens,
                 None,
-                is_fp8=KV_ELEMENT_BYTES[self.kv_cache_dtype] == 1,
+                is_fp8=self.is_fp8_kv,
                 kernels_read_tail=self.device.has_e4m3,
                 has_static_scales=not self.use_kv_scales,
                 head_dim=self.model.head_dim,
@@ -93,10 +93,10 @@ class PlanInputs:
                 f"unknown weight dtype {self.weight_dtype!r}; choose one of "
                 f"{', '.join(WEIGHT_DTYPES)}"
             )
-        if self.kv_cache_dtype not in KV_ELEMENT_BYTES:
+        if self.kv_cache_dtype not in KVCacheDType.choices():
             raise ValueError(
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of "
-                f"{', '.join(KV_ELEMENT_BYTES)}"
+                f"{', '.join(KVCacheDType.choices())}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
@@ -109,18 +109,7 @@ class PlanInputs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.activation_reserve_bytes is not None and self.activation_reserve_bytes < 0:
             raise ValueError("the activation reserve must be >= 0")
-        tp, m = self.tensor_parallel_size, self.model
-        if tp < 1 or m.num_attention_heads % tp:
-            raise ValueError(
-                f"tensor_parallel_size {tp} does not divide the {m.num_attention_heads} "
-                f"attention heads of {m.name}; choose a divisor of {m.num_attention_heads}"
-            )
-        kv = m.num_key_value_heads
-        if (kv % tp) if tp <= kv else (tp % kv):
-            raise ValueError(
-                f"tensor_parallel_size {tp} cannot split or replicate the {kv} KV heads of "
-                f"{m.name} evenly; choose a divisor or a multiple of {kv}"
-            )
+        check_tensor_parallel_size(self.model, self.tensor_parallel_size)  # the engine's rule
 
     @property
     def context_len(self) -> int:
@@ -130,12 +119,12 @@ class PlanInputs:
     @property
     def is_fp8_kv(self) -> bool:
         """Return whether KV elements are one byte."""
-        return KV_ELEMENT_BYTES[self.kv_cache_dtype] == 1
+        return KVCacheDType.parse(self.kv_cache_dtype).is_fp8
 
     @property
     def num_kv_heads_per_device(self) -> int:
         """Return the KV heads one TP rank stores (replicated when TP exceeds them)."""
-        return max(1, self.model.num_key_value_heads // self.tensor_parallel_size)
+        return kv_heads_per_rank(self.model.num_key_value_heads, self.tensor_parallel_size)
 
 
 def kv_cache_spec(inputs: PlanInputs, num_kv_heads: int) -> KVCacheSpec:

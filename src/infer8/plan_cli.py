@@ -8,11 +8,11 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from infer8.attention.tail_defaults import DEFAULT_EXACT_SINK_TOKENS, DEFAULT_EXACT_TAIL_TOKENS
+from infer8.config import KVCacheDType
 from infer8.entrypoints.arg_parser import did_you_mean
 from infer8.plan_presets import (
     BF16_BYTES,
     DEVICE_PRESETS,
-    KV_ELEMENT_BYTES,
     MODEL_PRESETS,
     WEIGHT_DTYPES,
     DeviceSpec,
@@ -59,7 +59,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         nargs="+",
-        choices=list(KV_ELEMENT_BYTES),
+        choices=KVCacheDType.choices(),
         default=["auto"],
         help="KV cache element type; several values make a table (default: auto = bf16)",
     )

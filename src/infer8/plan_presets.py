@@ -104,16 +104,6 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "l4-24gb": _device("l4-24gb", 22.03, 300),
 }
 WEIGHT_DTYPES = ("bf16", "fp8", "int4")
-# --kv-cache-dtype choices (as `infer8 serve`) -> element bytes; auto follows the bf16 weights.
-KV_ELEMENT_BYTES: dict[str, int] = {
-    "auto": 2,
-    "bfloat16": 2,
-    "float16": 2,
-    "float32": 4,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-}
 
 
 @dataclass(frozen=True)

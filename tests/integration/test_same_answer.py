@@ -19,14 +19,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from infer8 import LLM, SamplingParams
+from infer8.config import EngineArgs
 from infer8.core.sched_output import SchedulerStats
+from infer8.engine import LLMEngine
+from infer8.entrypoints.openai.cli_args import ServerConfig
 from infer8.request import Request
 from infer8.worker.memory import GiB
+from tests.utils import start_server, stop_server
 
 LOGPROB_TOL = 1e-4
+README_QUESTION = {
+    "role": "user",
+    "content": "What is the capital of France? Answer in one sentence.",
+}
 TARGET = [50 + (37 * i + 11) % 400 for i in range(100)]  # 12 full blocks of 8 and 4 tokens
 OTHERS = [[60 + (13 * i + 7 * k) % 380 for i in range(40 + 20 * k)] for k in range(3)]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -88,7 +97,7 @@ def test_one_request_one_answer_whatever_the_path(llama_dir: Path, variant: str)
     stats = _stats(llm)
     (again,) = _answers(llm, [TARGET])  # (b) its prefix is cached now
     hits = sum(s.num_prefix_cache_hits for s in stats)
-    assert hits >= 48 and hits % 8 == 0  # a hit (to a segment start with a tail of 24)
+    assert hits == 96  # 12 cached blocks, cut to a segment start (4 windows of 24)
     _assert_same(again, alone, "(b) after a prefix hit")
 
     batch = _answers(_llm(llama_dir, variant), OTHERS[:2] + [TARGET] + OTHERS[2:])  # (c)
@@ -152,9 +161,56 @@ def test_long_prompts_take_the_split_path_with_the_same_rule(llama_dir: Path) ->
     (alone,) = _answers(llm, [long_target])
     stats = _stats(llm)
     (again,) = _answers(llm, [long_target])
-    assert sum(s.num_prefix_cache_hits for s in stats) == 408  # 52 blocks, cut to 17 x 24
+    assert sum(s.num_prefix_cache_hits for s in stats) == 384  # 52 blocks, cut to 4 x 96
     _assert_same(again, alone, "after a prefix hit")
     for chunk in (64, 512):
         (chunked,) = _answers(_llm(llama_dir, "fp8_e4m3", max_num_batched_tokens=chunk, **options),
                               [long_target])  # fmt: skip
         _assert_same(chunked, alone, f"chunked at {chunk}")
+
+
+@pytest.mark.real_model
+def test_the_readme_question_sent_three_times_through_the_server_gets_one_answer() -> None:
+    # The default model on an FP8 server. The questions alone are shorter than a segment (96
+    # tokens), so they are computed whole each time; behind a long system prompt the second
+    # and third requests hit the prefix cache. float32 compute, so that no machine's bf16
+    # rounding of other matmul shapes can tip a near tie (the FP8 rule is what this checks).
+    args = EngineArgs(kv_cache_dtype="fp8_e4m3", max_num_seqs=64, dtype="float32")
+    engine = LLMEngine(args)
+    running = start_server(engine, ServerConfig())
+    try:
+        system = {
+            "role": "system",
+            "content": " ".join(["You are a careful geography tutor."] * 16),
+        }
+        for messages in (
+            [{"role": "user", "content": "What is the capital of France?"}],
+            [README_QUESTION],
+            [system, README_QUESTION],
+        ):
+            replies = []
+            for _ in range(3):
+                reply = httpx.post(
+                    running.url + "/v1/chat/completions",
+                    json={
+                        "model": engine.served_model_name,
+                        "messages": messages,
+                        "temperature": 0,
+                        "max_tokens": 8,
+                        "logprobs": True,
+                        "top_logprobs": 2,
+                    },
+                    timeout=120,
+                )
+                assert reply.status_code == 200, reply.text
+                choice = reply.json()["choices"][0]
+                first = choice["logprobs"]["content"][0]["top_logprobs"]
+                replies.append((choice["message"]["content"], first))
+            assert replies[1][0] == replies[0][0] == replies[2][0], replies
+            for _, first in replies[1:]:
+                for got, want in zip(first, replies[0][1], strict=True):
+                    assert got["token"] == want["token"]
+                    assert abs(got["logprob"] - want["logprob"]) < LOGPROB_TOL
+        assert running.metric("vllm:prefix_cache_hits_total") >= 2 * 96
+    finally:
+        stop_server(running)

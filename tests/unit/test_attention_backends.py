@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from infer8.attention import select_backend
-from infer8.attention.cpu import NativeKernels
 from infer8.attention.cpu.backend import CpuAttention
 from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache
 from infer8.attention.reference import ReferenceAttention, read_blocks
+from infer8.kernels.cpu import NativeKernels
 from infer8.quant import fp8
 from tests.attention_schedule import (
     BLOCK_SIZE,

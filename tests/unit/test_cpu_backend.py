@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from infer8.attention.cpu import NativeKernels
 from infer8.attention.cpu.backend import CpuAttention, CpuStepMetadata
 from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from infer8.attention.metadata import build_attention_metadata
+from infer8.kernels.cpu import NativeKernels
 from tests.attention_schedule import run_schedule, tail_spec
 
 CPU = torch.device("cpu")

@@ -20,6 +20,7 @@ from infer8.attention.exact_tail import (
     quantize_residual,
     resolve_exact_tail,
     rotate,
+    tail_segment,
 )
 from infer8.attention.kv_cache import KVCacheSpec
 from infer8.plan import PlanInputs, exact_tail_bytes, plan_capacity
@@ -50,14 +51,22 @@ def test_a_long_chunk_writes_only_its_last_w_minus_1_tokens_to_the_ring() -> Non
     assert meta.write_slots.tolist() == [2 * 3 + 15 % 3, 2 * 3 + 16 % 3, 2 * 3 + 17 % 3, 5 % 3]
     # rows read: the decode's ring row and sink row (none: row 0, unused), then row 2
     assert meta.read_rows.tolist() == [0, 0, 2]
-    # the chunk reads positions 8, 9 from the ring (query 10 reads its segment [8, 10], queries
-    # 12.. theirs from 12 on), in the third row read
-    assert meta.ring_read_slots[0].tolist() == [6 + 8 % 3, 6 + 9 % 3]
-    # the decode token at 5 reads its segment [4, 5]: 4 from its ring (offset 1; 3 at offset 0
-    # is an older segment's, 2 at offset 2 was never held); its new token is at 0 * 8 + 5
-    assert meta.decode_pos.tolist() == [[0, 4, 0, 0, 0, 0]]
-    assert meta.decode_valid.tolist() == [[0, 1, 0, 0, 0, 0]]
+    # the chunk reads positions 7, 8, 9 from the ring (queries at 10.. see (a - 4, a]),
+    # in the third row read
+    assert meta.ring_read_slots[0].tolist() == [6 + 7 % 3, 6 + 8 % 3, 6 + 9 % 3]
+    # the decode token at 5 reads 3, 4 from its ring (offsets 0, 1): its row holds exact
+    # values from 3 only, so offset 2 (position 2) is unused; its new token is at 0 * 8 + 5
+    assert meta.decode_pos.tolist() == [[3, 4, 0, 0, 0, 0]]
+    assert meta.decode_valid.tolist() == [[1, 1, 0, 0, 0, 0]]
     assert meta.decode_new.tolist() == [5]
+    # segments of 4 windows (16 positions) cut windows at 16, 32, ...: a chunk starting at 17
+    # reads only 16 from the ring, a decode at 16 reads none of it
+    meta = build_tail_metadata(
+        4, 0, [2, 0], [0, 0], no_sinks, [4, 1], [17, 16], [1], 24, torch.device("cpu")
+    )
+    assert tail_segment(4) == 16
+    assert meta.ring_read_slots[0].tolist() == [6 + 16 % 3]
+    assert meta.decode_valid.tolist() == [[0, 0, 0, 0, 0, 0]]
 
 
 def test_sinks_are_written_by_the_first_chunk_and_read_by_later_decodes() -> None:
@@ -74,11 +83,10 @@ def test_sinks_are_written_by_the_first_chunk_and_read_by_later_decodes() -> Non
     assert meta.write_slots.tolist() == [5, 6, 7, 9 % 3]
     assert meta.num_sinks == [2, 2]
     assert meta.read_rows.tolist() == [0, 0]  # its ring row, its sink slot's row
-    # ring offsets hold 6, 7, 8, of which 8 is in the query's segment [8, 9]; the sink row's
-    # sink offsets hold 0, 1
-    assert meta.decode_pos.tolist() == [[0, 0, 8, 0, 0, 0, 0, 0, 0, 1]]
-    assert meta.decode_valid.tolist() == [[0, 0, 1, 0, 0, 0, 0, 0, 1, 1]]
-    # a sequence whose segment still covers its first positions reads no sink from the store
+    # ring offsets hold 6, 7, 8; the sink row's sink offsets hold 0, 1
+    assert meta.decode_pos.tolist() == [[6, 7, 8, 0, 0, 0, 0, 0, 0, 1]]
+    assert meta.decode_valid.tolist() == [[1, 1, 1, 0, 0, 0, 0, 0, 1, 1]]
+    # a sequence whose window still covers its first positions reads no sink from the store
     meta = build_tail_metadata(4, 2, [0], [0], [(0, True)], [1], [2], [0], 16, cpu)
     assert meta.decode_pos.tolist()[0][:3] == [0, 1, 0]  # from the ring: positions 0, 1
     assert meta.decode_valid.tolist() == [[1, 1] + [0] * 8]
@@ -97,7 +105,7 @@ def test_block_value_plus_residual_carries_about_8_mantissa_bits() -> None:
 
 
 def test_auto_turns_the_tail_on_only_for_fp8_where_the_kernels_read_it() -> None:
-    from infer8.attention import tail_kernels_available
+    from infer8.device_probe import tail_kernels_available
 
     cuda = torch.device("cuda")
     assert tail_kernels_available(torch.device("cpu"))
@@ -176,18 +184,19 @@ def test_plan_counts_the_tail_rings() -> None:
 def test_decode_positions_match_a_sequence_by_sequence_reading() -> None:
     """The decode sequences' read positions, built as tensors, against the plain per-sequence
     definition: ring offset j holds the position p in [s0 - ring, s0) with p % ring == j,
-    valid from the query's segment start (s0 // W * W) or the sequence's first exact position,
-    whichever is later; its sinks valid below that."""
+    valid from the latest of the ring's oldest position, the query's segment start and the
+    sequence's first exact position; its sinks valid below that."""
     rng = random.Random(0)
     for _ in range(500):
         ring, sinks = rng.choice([0, 1, 5, 23]), rng.choice([0, 1, 4])
         n = rng.randint(0, 6)
-        s0 = [rng.randint(0, 300) for _ in range(n)]
+        s0 = [rng.randint(0, 300) for _ in range(n)]  # windows cut at 4, 8, 20 or 96
         starts = [max(0, x - rng.randint(0, 60)) for x in s0]
         slots = [rng.choice([-1, rng.randint(0, 9)]) for _ in range(n)]
         want_pos, want_valid = [], []
         for s, start, slot in zip(s0, starts, slots):
-            lo = max(start, s // (ring + 1) * (ring + 1))
+            segment = tail_segment(ring + 1)
+            lo = max(start, s - ring, s // segment * segment)
             ring_pos = [s - ring + (j - (s - ring)) % ring for j in range(ring)]
             num_read = min(sinks if slot >= 0 else 0, lo)
             pos = ring_pos + [0] * (sinks + ring) + list(range(sinks))

@@ -17,7 +17,7 @@ def _request(req_id: str, tokens: list[int]) -> Request:
 
 
 def test_rows_are_reused_and_a_resumed_request_starts_a_new_exact_range() -> None:
-    seats = ExactTailSeats(2, window=6, sink_tokens=0, block_size=4)
+    seats = ExactTailSeats(2, segment=24, sink_tokens=0, block_size=4)
     assert seats.seat("a", 0, None) == TailSeat(0, 0, -1, False)
     assert seats.seat("b", 12, None).row == 1 and seats.num_free_rows == 0
     seats.release("a")  # finished or preempted
@@ -26,7 +26,7 @@ def test_rows_are_reused_and_a_resumed_request_starts_a_new_exact_range() -> Non
 
 
 def test_sinks_follow_first_block_hashes_and_recycle_the_least_recent_unread_one() -> None:
-    seats = ExactTailSeats(2, window=4, sink_tokens=2, block_size=4)
+    seats = ExactTailSeats(2, segment=4, sink_tokens=2, block_size=4)
     assert seats.seat("a", 0, "h10").sink_slot == 0  # computes block 0: writes its sinks
     assert seats.usable_hit(8, "h10") == 8
     seats.release("a")
@@ -41,14 +41,14 @@ def test_sinks_follow_first_block_hashes_and_recycle_the_least_recent_unread_one
 
 
 def test_hits_are_shortened_to_segment_and_block_boundaries() -> None:
-    seats = ExactTailSeats(4, window=24, sink_tokens=0, block_size=16)
-    assert seats.hit_alignment == 48
-    assert [seats.usable_hit(n, None) for n in (16, 32, 48, 64, 96, 112)] == [0, 0, 48, 48, 96, 96]
-    assert ExactTailSeats(4, 32, 0, 16).usable_hit(48, None) == 32
+    seats = ExactTailSeats(4, segment=72, sink_tokens=0, block_size=16)
+    assert seats.hit_alignment == 144
+    assert [seats.usable_hit(n, None) for n in (16, 128, 144, 272, 288)] == [0, 0, 144, 144, 288]
+    assert ExactTailSeats(4, 96, 0, 16).usable_hit(112, None) == 96  # the default: 4 x 24
 
 
-def _scheduler(num_rows: int, window: int = 8, sinks: int = 2, **kw: object) -> Scheduler:
-    kv = KVCacheManager(64, 4, exact_tail=(num_rows, window, sinks), **kw)  # type: ignore[arg-type]
+def _scheduler(num_rows: int, segment: int = 8, sinks: int = 2, **kw: object) -> Scheduler:
+    kv = KVCacheManager(64, 4, exact_tail=(num_rows, segment, sinks), **kw)  # type: ignore[arg-type]
     return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=256)
 
 
@@ -65,7 +65,7 @@ def test_the_scheduler_seats_admitted_requests_and_takes_hits_only_at_segment_st
     (a,) = out.scheduled
     assert a.tail == TailSeat(0, 0, 0, True)  # row 0, exact from 0, writes its sinks
     sched.update_from_output(out, _sampled(out))
-    # b shares a's first 26 tokens: 6 cached blocks (24 tokens), a multiple of W = 8
+    # b shares a's first 26 tokens: 6 cached blocks (24 tokens), a multiple of the segment (8)
     sched.add_request(_request("b", prompt[:26] + [99, 98]))
     # c shares 21 tokens: 5 blocks (20 tokens), shortened to 16
     sched.add_request(_request("c", prompt[:21] + [97]))

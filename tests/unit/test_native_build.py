@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from infer8.attention.cpu import build as native_build
+from infer8.kernels.cpu import build as native_build
 
 
 def test_the_build_name_changes_with_the_cpu_compiler_flags_and_source() -> None:

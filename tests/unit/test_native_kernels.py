@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer8.attention.cpu import NativeKernels
-from infer8.attention.cpu.build import build_library
-from infer8.attention.cpu.library import NativeLibrary
 from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
 from infer8.attention.metadata import build_attention_metadata
 from infer8.attention.reference import attend_cache, read_blocks, write_blocks
+from infer8.kernels.cpu import NativeKernels
+from infer8.kernels.cpu.build import build_library
+from infer8.kernels.cpu.library import NativeLibrary
 from infer8.quant import fp8
 from tests.utils import float_ordinals
 

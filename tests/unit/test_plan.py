@@ -10,12 +10,12 @@ import pytest
 
 from infer8.cli import main
 from infer8.cli import main as cli_main
+from infer8.config import KVCacheDType
 from infer8.entrypoints.args import CHOICES
 from infer8.plan import PlanInputs, estimate_activation_bytes, plan_capacity
 from infer8.plan_claims import evaluate_claim
 from infer8.plan_presets import (
     DEVICE_PRESETS,
-    KV_ELEMENT_BYTES,
     MODEL_PRESETS,
     GiB,
     load_model_shape,
@@ -239,7 +239,9 @@ def test_cli_reads_a_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def test_cli_reports_bad_input_as_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "qwen2-72b-instruct", "-tp", "3"]) == 2
-    assert "does not divide the 64 attention heads" in capsys.readouterr().err
+    assert (
+        "does not divide the model's 64 attention heads; choose one of" in capsys.readouterr().err
+    )
     assert main(["plan", "--model", "no-such-model"]) == 2
     assert "neither a preset" in capsys.readouterr().err
 
@@ -268,7 +270,7 @@ def test_plan_flags_follow_the_engine_flags() -> None:
         == cuda_max_num_batched_tokens(H100.memory_bytes, H100.name)
     )
     assert inputs.kv_cache_dtype == defaults.kv_cache_dtype
-    assert list(KV_ELEMENT_BYTES) == CHOICES["kv_cache_dtype"]
+    assert KVCacheDType.choices() == CHOICES["kv_cache_dtype"]
 
 
 @pytest.mark.parametrize(

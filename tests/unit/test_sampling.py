@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from infer8.attention.cpu import NativeKernels
+from infer8.kernels.cpu import NativeKernels
 from infer8.sampling_params import SamplingParams
 from infer8.worker.sampler import Sampler, SamplingState, apply_penalties
 

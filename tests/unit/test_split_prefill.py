@@ -38,18 +38,20 @@ def test_a_cached_prefix_and_a_causal_chunk() -> None:
     "s0, q_len, window, exact_start, num_sinks",
     [(0, 50, 6, 0, 4), (40, 30, 6, 0, 4), (40, 30, 6, 16, 4), (40, 30, 6, 38, 4),
      (3, 10, 8, 0, 4), (40, 1, 4, 0, 0), (20, 5, 30, 0, 2), (40, 30, 1, 0, 4), (0, 300, 24, 0, 4),
-     (261, 40, 24, 240, 4)],
+     (261, 40, 24, 192, 4), (90, 20, 24, 0, 4)],
 )  # fmt: skip
 def test_tail_parts_match_the_masked_rule(
     s0: int, q_len: int, window: int, exact_start: int, num_sinks: int
 ) -> None:
-    # query a reads tail values of its segment, j >= max(a // W * W, exact_start), quantized
-    # values before (its first num_sinks at tail precision): the rule spelled out as a mask.
+    # query a reads tail values from its window's start, cut at its segment's start (segments
+    # of 4 windows) and at exact_start, quantized values before (its first num_sinks at tail
+    # precision): the rule spelled out as a mask.
     torch.manual_seed(1)
     seq_len, kvh, d = s0 + q_len, 2, 16
     kb, vb = torch.randn(kvh, seq_len, d), torch.randn(kvh, seq_len, d)  # block values
     kt, vt = kb + 0.1 * torch.randn_like(kb), vb + 0.1 * torch.randn_like(vb)  # tail values
-    lo = max(exact_start, s0 // window * window)
+    segment = 4 * window
+    lo = max(exact_start, s0 - window + 1, s0 // segment * segment)
     # store rows: the ring's residuals of [lo, s0), then the sinks' of [0, min(S, lo))
     ring_pos = list(range(lo, s0))
     sink_pos = list(range(min(num_sinks, lo)))
@@ -67,7 +69,7 @@ def test_tail_parts_match_the_masked_rule(
 
     a = torch.arange(s0, seq_len)[:, None]
     j = torch.arange(seq_len)[None, :]
-    first_exact = torch.clamp(a // window * window, min=exact_start)
+    first_exact = torch.maximum(a - window + 1, a // segment * segment).clamp(min=exact_start)
     quant_seen = (j <= a) & (j < first_exact)
     tail_seen = (j <= a) & (j >= first_exact)
     # keys: every position twice, as its quantized (block) value and as its tail value; a sink
@@ -87,7 +89,7 @@ def test_tail_parts_match_the_masked_rule(
 
 
 def _native():  # noqa: ANN202
-    from infer8.attention.cpu import NativeKernels
+    from infer8.kernels.cpu import NativeKernels
 
     kernels = NativeKernels.load()
     assert kernels is not None
@@ -128,7 +130,7 @@ def test_native_two_value_attention_matches_torch(
 def test_native_two_value_rotations_are_the_separate_rotations(dtype: torch.dtype, d: int) -> None:
     """rotate_q / rotate_out inside the pass: bit for bit the native rotation of q before the
     call and of its output after it (an FP8 prefill with Hadamard-rotated keys)."""
-    from infer8.attention.cpu import NativeKernels
+    from infer8.kernels.cpu import NativeKernels
 
     kernels = NativeKernels.load()
     assert kernels is not None
@@ -152,7 +154,8 @@ def test_native_two_value_rotations_are_the_separate_rotations(dtype: torch.dtyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "q_len, window, valid_from, first, exact_start",
-    [(200, 24, 0, 17, 0), (70, 24, 30, 0, 48), (5, 8, 11, -7, 0), (64, 24, 23, -23, 0)],
+    [(200, 24, 0, 17, 0), (70, 24, 30, 0, 48), (5, 8, 11, -7, 0), (64, 24, 0, 60, 0),
+     (150, 8, 0, 40, 0)],
 )  # fmt: skip
 def test_native_band_matches_the_torch_band(
     q_len: int, window: int, valid_from: int, first: int, exact_start: int, dtype: torch.dtype
@@ -173,9 +176,11 @@ def test_native_band_matches_the_torch_band(
     q, k, v, kq, vq = (x.to(dtype) for x in (q, k, v, kq, vq))
     f = [x.float() for x in (k, v, kq, vq)]
     want_out, want_lse = _band_part(
-        q.float(), Band(f[0], f[1], window, valid_from, f[2], f[3], first, exact_start), 0.125
+        q.float(),
+        Band(f[0], f[1], window, valid_from, f[2], f[3], first, exact_start, 4 * window),
+        0.125,
     )
-    band = Band(k, v, window, valid_from, kq, vq, first, exact_start)
+    band = Band(k, v, window, valid_from, kq, vq, first, exact_start, 4 * window)
     got_out, got_lse = native.band_attention(q, band, 0.125)
     assert got_out.dtype == dtype and got_lse.dtype == torch.float32
     unseen = want_lse == -float("inf")
@@ -185,5 +190,5 @@ def test_native_band_matches_the_torch_band(
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
     torch.testing.assert_close(got_out.float(), want_out, rtol=tol, atol=tol)
     if q_len >= window:  # the first values matter: the same band read all-exact differs
-        all_exact = Band(k, v, window, valid_from, k, v, first, exact_start)
+        all_exact = Band(k, v, window, valid_from, k, v, first, exact_start, 4 * window)
         assert (native.band_attention(q, all_exact, 0.125)[0] - got_out).abs().max() > 0.05

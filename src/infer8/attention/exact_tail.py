@@ -1,14 +1,15 @@
 """The exact tail of an FP8 KV cache: each sequence's latest and first tokens at 16-bit precision.
 
 One rule for every path (a prefill chunk, a decode, a prefix hit, a host-tier load, a recompute
-after preemption): positions are cut into segments of W (the window), and a query at position `a`
-reads the keys and values of its own segment so far, [a // W * W, a], and the sequence's first S
-positions (its "attention sinks") near-exactly, everything before its segment from the FP8
-blocks. What a query reads is a function of its position alone, so a request's numbers do not
-depend on how the scheduler chunks it, what shares its step, or whether its prefix was cached:
-a prefix hit is shortened to a segment boundary (core/exact_tail_seats.py), where nothing exact
-from before the hit is needed. (A sliding window (a - W, a] would need the exact values of the
-W positions before a hit, and recomputing those needs the W before them, down to position 0.)
+after preemption): a query at position `a` reads the keys and values of its window, positions
+(a - W, a], cut at the start of its segment (positions are cut into segments of K windows,
+tail_defaults.tail_segment), and the sequence's first S positions (its "attention sinks")
+near-exactly, everything else from the FP8 blocks (first_exact). What a query reads is a
+function of its position alone, so a request's numbers do not depend on how the scheduler
+chunks it, what shares its step, or whether its prefix was cached: a prefix hit is shortened to
+a segment start (core/exact_tail_seats.py), where nothing exact from before the hit is needed.
+(An uncut window would need the exact values of the W positions before a hit, and recomputing
+those needs the W before them, down to position 0.)
 Storage:
 
 - the FP8 blocks hold every token, quantized on write exactly as without a tail (dynamic
@@ -54,6 +55,7 @@ from infer8.attention.tail_defaults import (  # noqa: F401  (their home for torc
     DEFAULT_EXACT_SINK_TOKENS,
     DEFAULT_EXACT_TAIL_TOKENS,
     DEFAULT_HADAMARD,
+    tail_segment,
 )
 from infer8.quant import fp8
 
@@ -180,10 +182,18 @@ def tail_values(
     return res_q, res_scale, add_residual(x_block, res_q, res_scale)
 
 
-def segment_start(position: int, window: int) -> int:
-    """Return the first position of `position`'s segment: a query there reads [this, position]
-    at tail precision."""
-    return position // window * window
+def first_exact(position: int, window: int, exact_start: int = 0) -> int:
+    """Return the first position a query at `position` reads at tail precision (sinks aside):
+    its window, cut at its segment's start (and at its row's first exact position)."""
+    segment = tail_segment(window)
+    return max(position - window + 1, position // segment * segment, exact_start)
+
+
+def first_exact_t(positions: torch.Tensor, window: int, exact_start: int = 0) -> torch.Tensor:
+    """first_exact of each query position (an int64 tensor of any shape)."""
+    segment = tail_segment(window)
+    first = torch.maximum(positions - window + 1, positions // segment * segment)
+    return torch.clamp(first, min=exact_start)
 
 
 @dataclass
@@ -197,7 +207,7 @@ class TailMetadata:
     (block value + residual, distributed), not as rewritten keys.
     """
 
-    window: int  # W: a query at position a reads [a // W * W, a] exactly
+    window: int  # W: a query at position a reads [first_exact(a, W), a] exactly
     ring_size: int  # W - 1 ring positions per row
     exact_starts: list[int]  # per sequence: first position its row holds exactly
     num_sinks: list[int]  # per sequence: first positions read exactly (0: sinks lost)
@@ -276,7 +286,7 @@ def build_tail_metadata(
                 ss.append(slot * stride + ring + s0)
             token_start += 1
             continue
-        lo = max(start, segment_start(s0, window))
+        lo = first_exact(s0, window, start)
         is_prefill = i not in decode
         sink_reads.append(
             [read(slot, ring + p) for p in range(min(num_sinks[-1], lo))] if is_prefill else []
@@ -323,13 +333,13 @@ def _decode_positions(
     """Return the decode sequences' read positions and validity ([B, 2 * (ring + S)] int64,
     float32): per sequence its ring row's ring positions and S zeros, then its sink row's
     ring zeros and sink positions 0..S-1; a position is valid when the sequence reads it from
-    the store (ring positions of its segment from its first exact one, sinks below it). Invalid
-    ones read 0.
+    the store (ring positions from first_exact, sinks below it). Invalid ones read 0.
     """
     b, ring = len(s0), window - 1  # numpy: a dozen ~1 us ops instead of ~8 (a decode's cost)
-    s0_np = np.asarray(s0, dtype=np.int64)
+    s0_np, segment = np.asarray(s0, dtype=np.int64), tail_segment(window)
     first = s0_np - ring  # [B]: the ring's oldest position
-    lo = np.maximum(np.asarray(starts, dtype=np.int64), s0_np // window * window)
+    lo = np.maximum(np.asarray(starts, dtype=np.int64), s0_np // segment * segment)
+    lo = np.maximum(lo, first)
     # ring offset j holds the position p in [s0 - ring, s0) with p % ring == j
     offsets = np.arange(ring, dtype=np.int64)
     ring_pos = first[:, None] + np.remainder(offsets[None, :] - first[:, None], max(ring, 1))
@@ -361,22 +371,3 @@ def write_store(
     kvh, d = values.shape[0], values.shape[-1]
     values.view(kvh, -1, d)[:, slots] = residual[0][token_ids].transpose(0, 1)
     scales.view(kvh, -1)[:, slots] = residual[1][token_ids].transpose(0, 1)
-
-
-def write_decode_new(x: torch.Tensor, new: torch.Tensor, tail: TailMetadata) -> None:
-    """Put each decode sequence's new token's tail value at its position, in place.
-
-    x: [kvh, B, L, head_dim] gathered, dequantized blocks; new: [B, kvh, head_dim].
-    """
-    kvh, batch, ctx_len, d = x.shape
-    flat = x.view(kvh, batch * ctx_len, d)
-    flat.index_copy_(1, tail.decode_new, new.transpose(0, 1).to(x.dtype))
-
-
-def decode_residuals(residuals: torch.Tensor, num_decode: int, width: int) -> torch.Tensor:
-    """Return the decode sequences' read residuals as [kvh * B, width, d] (width = 2 * stride).
-
-    residuals: [kvh, rows read * stride, d]; the decode sequences' rows come first.
-    """
-    kvh, d = residuals.shape[0], residuals.shape[-1]
-    return residuals[:, : num_decode * width].reshape(kvh * num_decode, width, d)

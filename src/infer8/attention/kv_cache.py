@@ -181,11 +181,6 @@ class LayerKVCache:
         """Return tokens per block."""
         return self.k.shape[2]
 
-    @property
-    def has_tail_store(self) -> bool:
-        """Return whether this step's tail is kept (the format has one and seats exist)."""
-        return self.tail_store is not None
-
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Return a zeroed tensor; on CPU its pages are mapped lazily (RSS grows as blocks fill).

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from infer8.attention import exact_tail
-from infer8.attention.exact_tail import TailMetadata
+from infer8.attention.exact_tail import TailMetadata, first_exact, first_exact_t
 from infer8.attention.kv_cache import LayerKVCache
 from infer8.attention.metadata import AttentionMetadata
 from infer8.quant import fp8
@@ -228,10 +228,9 @@ def _prefill_exact(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return a prefill chunk's tail-precision K and V ([kv_heads, seq_len, d]) and its reads.
 
-    Query at position a reads position j at tail precision iff j is in a's segment,
-    j >= max(a // W * W, exact_start) (ring positions [lo, s0) from the store, the chunk's own
-    from `new`), or j is one of the sinks among the positions it reads quantized (from the
-    store below lo).
+    Query at position a reads position j at tail precision iff j >= first_exact(a) (ring
+    positions [lo, s0) from the store, the chunk's own from `new`), or j is one of the sinks
+    among the positions it reads quantized (from the store below lo).
     """
     seq_len, q_len = k.shape[1], new[0].shape[0]
     s0 = seq_len - q_len
@@ -245,12 +244,11 @@ def _prefill_exact(
         e[:, : sinks.numel()] += res[:, sinks]
         exact.append(e)
     window, start = tail.window, tail.exact_starts[seq]
-    num_quant = min(seq_len, max((seq_len - 1) // window * window, start))
+    num_quant = min(seq_len, first_exact(seq_len - 1, window, start))
     num_sinks = min(tail.num_sinks[seq], num_quant)
     pos = torch.arange(seq_len, device=k.device)[None, :]
     query = torch.arange(s0, seq_len, device=k.device)[:, None]
-    first_exact = torch.clamp(query // window * window, min=start)  # its segment, held exactly
-    reads = (pos >= first_exact) | (pos < num_sinks)
+    reads = (pos >= first_exact_t(query, window, start)) | (pos < num_sinks)
     return exact[0], exact[1], reads
 
 

@@ -9,3 +9,14 @@ from __future__ import annotations
 DEFAULT_EXACT_TAIL_TOKENS = 24
 DEFAULT_EXACT_SINK_TOKENS = 4
 DEFAULT_HADAMARD = True
+
+# Hits are cut to segments of this many windows (docs/accuracy.md, "The same answer"): a query at
+# position a reads exactly from max(a - W + 1, a // (K * W) * (K * W)), so the window is whole
+# except in a segment's first W - 1 positions, and a hit at a segment start needs nothing exact
+# from before it. Larger K: fewer shortened windows, hits cut by more.
+EXACT_TAIL_SEGMENT_WINDOWS = 4
+
+
+def tail_segment(window: int) -> int:
+    """Return the segment length of a tail of `window` positions."""
+    return EXACT_TAIL_SEGMENT_WINDOWS * window

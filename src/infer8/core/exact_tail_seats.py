@@ -6,11 +6,11 @@ first block so prefix-cache hits share them. Here live who holds which (pure Pyt
 tensors): a request gets a row and a sink slot when it is admitted and gives them back with
 its blocks (finish, abort, preemption); the scheduler hands them down in its output.
 
-A prefix hit is only as long as what the tail can restore: a query reads its own segment of W
-positions exactly, so a hit is shortened to a multiple of W (and of the block size), where the
-first recomputed query needs nothing exact from before it; and a hit on a first block whose
-sinks are gone (their slot was given to another) is no hit at all. So a hit changes how much
-is computed, never the numbers.
+A prefix hit is only as long as what the tail can restore: a query's window is cut at the start
+of its segment (a few windows long), so a hit is shortened to a multiple of the segment (and of
+the block size), where the first recomputed query needs nothing exact from before it; and a hit
+on a first block whose sinks are gone (their slot was given to another) is no hit at all. So a
+hit changes how much is computed, never the numbers.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ class TailSeat:
 class ExactTailSeats:
     """Ring rows for running requests, and sink slots keyed by first-block hashes."""
 
-    def __init__(self, num_rows: int, window: int, sink_tokens: int, block_size: int) -> None:
-        assert num_rows >= 1 and window >= 1
-        self.window, self.sink_tokens = window, sink_tokens
+    def __init__(self, num_rows: int, segment: int, sink_tokens: int, block_size: int) -> None:
+        assert num_rows >= 1 and segment >= 1
+        self.sink_tokens = sink_tokens
         # a hit must end on a segment boundary and on a block boundary
-        self.hit_alignment = math.lcm(window, block_size)
+        self.hit_alignment = math.lcm(segment, block_size)
         self._free_rows = list(range(num_rows - 1, -1, -1))
         # As many sink slots as rows: each running request pins at most one, so a request
         # that computes its first block always finds one.

@@ -23,7 +23,7 @@ class KVCacheManager:
     With `num_host_blocks` (and caching), evicted cached blocks go to a host-memory tier
     (core/host_tier.py) and `get_host_hits` continues a prefix lookup there.
 
-    With `exact_tail` ((rows, window W, sinks S) of an FP8 cache's exact tail), running
+    With `exact_tail` ((rows, segment, sinks) of an FP8 cache's exact tail), running
     requests hold a tail seat too (core/exact_tail_seats.py), given with `seat` and taken back
     by `free`, and `find_prefix` shortens hits to what the tail can restore.
     """

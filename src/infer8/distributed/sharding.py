@@ -13,7 +13,7 @@ import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -29,7 +29,23 @@ _KV_SCALE_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.(?:[kv]_proj\.)?(?:k
 _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def check_tensor_parallel_size(cfg: LlamaArchConfig, world_size: int) -> None:
+class HeadShape(Protocol):
+    """What decides a model's split: a LlamaArchConfig, or the planner's ModelShape."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+
+
+def kv_heads_per_rank(num_kv_heads: int, world_size: int) -> int:
+    """Return the KV heads one rank stores: its share, or one replicated head."""
+    return max(1, num_kv_heads // world_size)
+
+
+def check_tensor_parallel_size(cfg: HeadShape, world_size: int) -> None:
     """Raise ValueError (before anything starts) if the model cannot be split `world_size` ways."""
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
@@ -39,7 +55,7 @@ def check_tensor_parallel_size(cfg: LlamaArchConfig, world_size: int) -> None:
         raise ValueError(f"tensor_parallel_size {world_size} {problem}; choose one of {valid}")
 
 
-def _split_problem(cfg: LlamaArchConfig, world_size: int) -> str | None:
+def _split_problem(cfg: HeadShape, world_size: int) -> str | None:
     """Return why the model cannot be split `world_size` ways, or None."""
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads % world_size:
@@ -74,7 +90,7 @@ class TensorParallelShard:
         """Return the KV heads of this rank (one, shared with other ranks, when replicated)."""
         kv, world = self.config.num_key_value_heads, self.world_size
         if world <= kv:
-            n = kv // world
+            n = kv_heads_per_rank(kv, world)
             return range(self.rank * n, (self.rank + 1) * n)
         # Ranks [h * world / kv, (h + 1) * world / kv) hold the query heads of KV head h.
         head = self.rank // (world // kv)

@@ -8,13 +8,13 @@ import types
 import typing
 from typing import Any
 
-from infer8.config import EngineArgs
+from infer8.config import EngineArgs, KVCacheDType
 
 # Choices for string options, listed in --help and in the error for a bad value.
 CHOICES: dict[str, list[str]] = {
     "dtype": ["auto", "bfloat16", "float16", "float32"],
     "device": ["auto", "cpu", "cuda"],
-    "kv_cache_dtype": ["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    "kv_cache_dtype": KVCacheDType.choices(),
     "kv_scale": ["dynamic", "static"],
     "scheduler": ["continuous", "static"],
     "scheduling_policy": ["fcfs", "priority"],

@@ -186,10 +186,3 @@ class Fp8Linear(nn.Module):
             f"bias={self.bias is not None}, static_input_scale={self.input_scale is not None}, "
             f"use_scaled_mm={self.use_scaled_mm}"
         )
-
-
-def set_use_scaled_mm(model: nn.Module, use_scaled_mm: bool) -> None:
-    """Choose the FP8 matmul of every Fp8Linear once (at start-up, from the device)."""
-    for module in model.modules():
-        if isinstance(module, Fp8Linear):
-            module.use_scaled_mm = use_scaled_mm

@@ -290,10 +290,6 @@ class StructuredOutputManager:
         """Return how many requests have a live matcher."""
         return len(self._matchers)
 
-    def has_request(self, req_id: str) -> bool:
-        """Return whether a request is constrained."""
-        return req_id in self._matchers
-
     def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
         import xgrammar as xgr
 

@@ -86,16 +86,6 @@ class ProfileStep:
     positions: torch.Tensor  # [max_num_batched_tokens] int64
     max_num_seqs: int
 
-    @property
-    def cache_bytes(self) -> int:
-        """Return the bytes of the throwaway cache (not activations)."""
-        return sum(
-            t.numel() * t.element_size()
-            for c in self.caches
-            for t in (c.k, c.v, c.k_scale, c.v_scale)
-            if t is not None
-        )
-
 
 def build_profile_step(
     kv_spec: KVCacheSpec,

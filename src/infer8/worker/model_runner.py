@@ -11,11 +11,13 @@ from infer8.attention.exact_tail import build_tail_metadata
 from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache
 from infer8.attention.metadata import (
     AttentionMetadata,
+    build_attention_metadata,
     metadata_from_table,
     to_device,
     token_positions,
 )
-from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from infer8.core.exact_tail_seats import TailSeat
+from infer8.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from infer8.models.llama import LlamaForCausalLM
 from infer8.worker.block_tables import BlockTables
 from infer8.worker.kv_offload import HostKVCache
@@ -81,6 +83,35 @@ class ModelRunner:
             meta.decode_block_tables.shape[1] * self.block_size,
             self.device,
         )
+
+    @torch.inference_mode()
+    def score(
+        self, token_ids: list[int], block_ids: list[int], seat: TailSeat | None, chunk_tokens: int
+    ) -> torch.Tensor:
+        """Return float32 log-probabilities [len(token_ids), vocab] of each next token.
+
+        The sequence is prefilled in chunks of `chunk_tokens` as a request would be, into the
+        blocks (and tail seat) the KV cache manager gave it, so an FP8 cache's numbers include
+        its quantization.
+        """
+        out = []
+        for start in range(0, len(token_ids), chunk_tokens):
+            chunk = token_ids[start : start + chunk_tokens]
+            sched = SchedulerOutput(
+                scheduled=[ScheduledRequest("score", start, len(chunk), block_ids, tail=seat)]
+            )
+            meta = build_attention_metadata([len(chunk)], [start], [block_ids], self.block_size,
+                                             self.device)  # fmt: skip
+            if self.has_tail:
+                self._add_tail_metadata(sched, meta)
+            hidden = self.model(
+                torch.tensor(chunk, device=self.device),
+                torch.arange(start, start + len(chunk), device=self.device),
+                meta,
+                self.kv_caches,
+            )
+            out.append(torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1))
+        return torch.cat(out)
 
     def reset(self) -> None:
         """Forget every request (after a failed step): states and block rows."""

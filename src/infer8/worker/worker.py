@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from infer8.attention import select_backend
-from infer8.attention.cpu import NativeKernels
 from infer8.attention.exact_tail import describe_exact_tail
 from infer8.attention.kv_cache import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from infer8.config import EngineArgs, EngineConfig, ModelConfig, SchedulerConfig
+from infer8.core.exact_tail_seats import TailSeat
 from infer8.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.distributed.sharding import TensorParallelShard
 from infer8.host_memory import HostMemory
+from infer8.kernels.cpu import NativeKernels
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.models.loader import load_model, read_model_config
 from infer8.quant import fp8
@@ -397,6 +398,14 @@ class Worker:
         """Run one step; only the driver (rank 0) returns samples."""
         with self.step_gate.step():  # the KV populate thread waits meanwhile
             return self.runner.execute(scheduler_output)
+
+    def score_tokens(
+        self, token_ids: list[int], block_ids: list[int], seat: TailSeat | None, chunk_tokens: int
+    ) -> torch.Tensor:
+        """Return each next token's float32 log-probabilities ([n, vocab]) of a sequence
+        prefilled in chunks into the given blocks and tail seat (ModelRunner.score)."""
+        with self.step_gate.step():
+            return self.runner.score(token_ids, block_ids, seat, chunk_tokens)
 
     def reset(self) -> None:
         """Forget every request's state (after a failed step); weights and KV memory stay."""

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from infer8.attention.cpu import NativeKernels
 from infer8.attention.cpu.chunks import ChunkAttention
-from infer8.attention.cpu.decode import DecodeKernels, DecodeTail
-from infer8.attention.cpu.kv_kernels import KVKernels
 from infer8.attention.cpu.tail_prefill import DENSE_TAIL_MAX_LEN
 from infer8.attention.kv_cache import KVCacheFormat, LayerKVCache
 from infer8.attention.metadata import AttentionMetadata
 from infer8.attention.reference import ReferenceAttention
+from infer8.kernels.cpu import NativeKernels
+from infer8.kernels.cpu.decode import DecodeKernels, DecodeTail
+from infer8.kernels.cpu.kv_kernels import KVKernels
 from infer8.quant import fp8
 
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float32)

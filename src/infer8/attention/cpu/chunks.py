@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from infer8.attention.cpu import NativeKernels, tail_prefill
+from infer8.attention.cpu import tail_prefill
 from infer8.attention.cpu.split_prefill import KeyRange, split_prefill_attention
 from infer8.attention.kv_cache import LayerKVCache
 from infer8.attention.metadata import AttentionMetadata
+from infer8.kernels.cpu import NativeKernels
 from infer8.quant import fp8
 
 

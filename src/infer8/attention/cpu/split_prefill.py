@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from infer8.attention.cpu.prefill import PrefillKernels
+    from infer8.kernels.cpu.prefill import PrefillKernels
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -36,8 +36,8 @@ class KeyRange:
 class Band:
     """Keys and values of positions [first, first + q_len + W - 1) ([kvh, n, d]), in two
     values: query i sees window positions i .. i + W - 1 of them (those below `valid_from`
-    excepted), those before band index `exact_from[i]` in their first value (kq, vq, the FP8
-    blocks'), the rest in their second (k, v, at tail precision)."""
+    excepted), those before band index `exact_from[i]` (its segment's start) in their first
+    value (kq, vq, the FP8 blocks'), the rest in their second (k, v, at tail precision)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -46,12 +46,13 @@ class Band:
     kq: torch.Tensor
     vq: torch.Tensor
     first_position: int  # the band's position 0, and the first query's position - (W - 1)
-    exact_start: int  # a query at a reads exactly from max(a // W * W, exact_start)
+    exact_start: int  # a query at a reads exactly from max(a's segment start, exact_start)
+    segment: int  # (its window's start aside: the band starts there)
 
     def exact_from(self, q_len: int, device: torch.device) -> torch.Tensor:
         """Return each query's first band index read at tail precision ([q_len] int64)."""
         a = torch.arange(q_len, device=device) + self.first_position + self.window - 1
-        first = torch.clamp(a // self.window * self.window, min=self.exact_start)
+        first = torch.clamp(a // self.segment * self.segment, min=self.exact_start)
         return first - self.first_position
 
 

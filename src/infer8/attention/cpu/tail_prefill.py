@@ -1,7 +1,8 @@
 """Prefill attention with an FP8 cache's exact tail: which value each (query, key) pair reads.
 
-A prefill query at position a reads its segment [a // W * W, a] and its sequence's sinks as block
-value + residual, the rest as block values (exact_tail.py). Two forms of the same rule, per sequence:
+A prefill query at position a reads positions from exact_tail.first_exact(a) (its window, cut at
+its segment's start) and its sequence's sinks as block value + residual, the rest as block
+values (exact_tail.py). Two forms of the same rule, per sequence:
 
 - `prefill_parts`: key ranges and a band for split_prefill_attention (long contexts: SDPA's
   flash kernel per range, no [q_len, keys] mask);
@@ -26,10 +27,12 @@ from infer8.attention.cpu.split_prefill import (
     split_prefill_attention,
     two_value_attention,
 )
+from infer8.attention.exact_tail import first_exact, first_exact_t
+from infer8.attention.tail_defaults import tail_segment
 
 if TYPE_CHECKING:
-    from infer8.attention.cpu.prefill import PrefillKernels
     from infer8.attention.exact_tail import TailMetadata
+    from infer8.kernels.cpu.prefill import PrefillKernels
 
 # A prefill chunk with an exact tail attends densely (two_value_attention) up to this many
 # positions of context: below it the split form's ~40 small calls per sequence cost more than
@@ -53,7 +56,7 @@ class SequenceTail:
         """Return (s0, lo, num_quant): the chunk's first position, the first ring position it
         reads, how many positions some query reads quantized."""
         s0 = seq_len - self.new[0].shape[0]
-        num_quant = min(seq_len, max((seq_len - 1) // self.window * self.window, self.exact_start))
+        num_quant = min(seq_len, first_exact(seq_len - 1, self.window, self.exact_start))
         return s0, s0 - self.ring.numel(), num_quant
 
 
@@ -103,8 +106,8 @@ def prefill_parts(
 
     k, v: [kvh, seq_len, d] dequantized blocks (changed: the sinks' values). Query at position
     a reads [0, a - W] quantized (the first num_sinks at tail precision) through the ranges,
-    and (a - W, a] through the band: its segment's positions (from max(a // W * W,
-    exact_start)) at tail precision, the ones before quantized.
+    and (a - W, a] through the band: from first_exact(a) at tail precision, the ones before
+    quantized.
     """
     seq_len, window, ring_slots, sink_slots = k.shape[1], tail.window, tail.ring, tail.sinks
     s0, lo, num_quant = tail.bounds(seq_len)
@@ -134,9 +137,8 @@ def prefill_parts(
         KeyRange(quant[0][:, :f], quant[1][:, :f]),
         KeyRange(quant[0][:, f:], quant[1][:, f:], causal=True, q_start=f - s0 + window),
     ]
-    band = Band(
-        band_e[0], band_e[1], window, valid_from, band_q[0], band_q[1], first, tail.exact_start
-    )
+    band = Band(band_e[0], band_e[1], window, valid_from, band_q[0], band_q[1], first,
+                tail.exact_start, tail_segment(window))  # fmt: skip
     return ranges, band
 
 
@@ -147,9 +149,8 @@ def dense_parts(
 
     The dense form of prefill_parts (same arguments, same rule) for two_value_attention:
     ([kvh, seq_len, d] K and V with block + residual wherever a residual is held, block values
-    elsewhere), [q_len, seq_len] bool: query a reads position j exactly iff j is in its
-    segment (j >= max(a // W * W, exact_start)), or j is one of the sinks among its quantized
-    positions.
+    elsewhere), [q_len, seq_len] bool: query a reads position j exactly iff
+    j >= first_exact(a), or j is one of the sinks among its quantized positions.
     """
     seq_len, ring_slots, sink_slots = k.shape[1], tail.ring, tail.sinks
     s0, lo, num_quant = tail.bounds(seq_len)
@@ -173,7 +174,7 @@ def dense_parts(
 def fresh_reads(seq_len: int, window: int, num_sinks: int) -> torch.Tensor:
     """Return dense_parts' reads for a prompt computed whole in one step (no ring, nothing
     held before it): [seq_len, seq_len] bool."""
-    num_quant = (seq_len - 1) // window * window
+    num_quant = first_exact(seq_len - 1, window)
     return _reads(seq_len, 0, 0, window, min(num_sinks, num_quant), torch.device("cpu"))
 
 
@@ -181,8 +182,7 @@ def _reads(
     seq_len: int, s0: int, exact_start: int, window: int, num_sinks: int, device: torch.device
 ) -> torch.Tensor:
     """[seq_len - s0, seq_len] bool: query a (positions s0..) reads position j's tail value iff
-    j >= max(a // window * window, exact_start), or j < num_sinks."""
+    j >= first_exact(a), or j < num_sinks."""
     pos = torch.arange(seq_len, device=device)[None, :]
     query = torch.arange(s0, seq_len, device=device)[:, None]
-    first_exact = torch.clamp(query // window * window, min=exact_start)
-    return (pos >= first_exact) | (pos < num_sinks)
+    return (pos >= first_exact_t(query, window, exact_start)) | (pos < num_sinks)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from infer8.attention.triton.tail import seq_tail, tail_exact, tile_has_tail
-from infer8.attention.triton.tiles import load_kv_tile, tail_scores, tail_values
+from infer8.attention.triton.tail import seq_tail
+from infer8.attention.triton.tiles import attend_tile
 from infer8.attention.triton.write import rotate_rows, round_to_model
 
 
@@ -113,6 +113,9 @@ def decode_kernel(
         q = rotate_rows(q, rot_ptr, head_dim, BLOCK_D)
     q = q.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
     table_row = block_table_ptr + b.to(tl.int64) * stride_bt
+    kv = (k_cache_ptr, k_scale_ptr, v_cache_ptr, v_scale_ptr, table_row, kv_head, offs_d, mask_d,
+          stride_ch, stride_cb, stride_cs, stride_sh, stride_sb)  # fmt: skip
+    positions, tail = 0, 0  # read only with HAS_TAIL
     if HAS_TAIL:  # this sequence's tail, and the K / V residual heads of this KV head
         lo, num_sinks, ring_row, sink_row, res_k, res_v = seq_tail(
             tail_seq_ptr, b, kv_head, num_kv_heads, head_dim, tail_store_ptr,
@@ -120,45 +123,18 @@ def decode_kernel(
             store_scale_stride_h,
         )  # fmt: skip
         positions = tl.zeros((BLOCK_G,), tl.int32) + (seq_len - 1)
+        tail = (lo, num_sinks, window, res_k, res_v, seq_len - 1, ring, ring_mod, ring_row,
+                sink_row, token, row_width, head_dim, 2 * num_kv_heads)  # fmt: skip
 
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        k, k_s = load_kv_tile(
-            k_cache_ptr, k_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
-            stride_ch, stride_cb, stride_cs, stride_sh, stride_sb,
-            BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, n0, end, positions, seq_len - 1, kv, qk_scale, tail, BLOCK_N,
+            BLOCK_SIZE, SCALE_MODE, PRECISION, DOT_DTYPE, q_ptr.dtype.element_ty, HAS_TAIL,
+            False,
         )  # fmt: skip
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_G, BLOCK_N]
-        scores = scores * (k_s * qk_scale)[None, :]
-        if HAS_TAIL:
-            exact, has_res = tail_exact(offs_n, mask_n, positions, lo, num_sinks, window)
-            in_tail = tile_has_tail(n0, lo, num_sinks, seq_len - 1, window, BLOCK_N)
-            res_at = (offs_n, offs_d, mask_d, has_res, seq_len - 1, lo, ring, ring_mod,
-                      ring_row, sink_row, token, row_width, head_dim, 2 * num_kv_heads)  # fmt: skip
-            if in_tail:
-                scores = tail_scores(scores, q, exact, res_k, res_at, qk_scale, PRECISION,
-                                      DOT_DTYPE)  # fmt: skip
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v, v_s = load_kv_tile(
-            v_cache_ptr, v_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
-            stride_ch, stride_cb, stride_cs, stride_sh, stride_sb,
-            BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
-        )  # fmt: skip
-        pv = (p * v_s[None, :]).to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-        if HAS_TAIL:
-            if in_tail:
-                acc = tail_values(acc, p, exact, res_v, res_at, q_ptr.dtype.element_ty,
-                                   PRECISION, DOT_DTYPE)  # fmt: skip
-        m_i = m_new
 
     if SCALE_MODE == 2:
         static_off = kv_head * stride_static_h + offs_d * stride_static_d

@@ -6,8 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from infer8.attention.triton.tail import seq_tail, tail_exact, tile_has_tail
-from infer8.attention.triton.tiles import load_kv_tile, tail_scores, tail_values
+from infer8.attention.triton.tail import seq_tail
+from infer8.attention.triton.tiles import attend_tile
 from infer8.attention.triton.write import rotate_rows
 
 
@@ -95,58 +95,32 @@ def prefill_kernel(
         q = rotate_rows(q, rot_ptr, head_dim, BLOCK_D)
     q = q.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
     table_row = block_table_ptr + i.to(tl.int64) * stride_bt
+    kv = (k_cache_ptr, k_scale_ptr, v_cache_ptr, v_scale_ptr, table_row, kv_head, offs_d, mask_d,
+          stride_ch, stride_cb, stride_cs, stride_sh, stride_sb)  # fmt: skip
+    tail = 0  # read only with HAS_TAIL
     if HAS_TAIL:  # as in decode_kernel; this chunk's residuals start at row q_start
         lo, num_sinks, ring_row, sink_row, res_k, res_v = seq_tail(
             tail_seq_ptr, i, kv_head, num_kv_heads, head_dim, tail_store_ptr,
             tail_store_scale_ptr, tail_new_ptr, tail_new_scale_ptr, store_stride_h,
             store_scale_stride_h,
         )  # fmt: skip
+        tail = (lo, num_sinks, window, res_k, res_v, context_len, ring, ring_mod, ring_row,
+                sink_row, q_start, row_width, head_dim, 2 * num_kv_heads)  # fmt: skip
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     # Keys past this tile's last query are never seen; a tile past the chunk reads nothing.
+    # Every row sees key 0 in the first tile, so the running max is finite from there on.
     kv_end = tl.where(
         m_tile * BLOCK_M < q_len, tl.minimum(seq_len, context_len + (m_tile + 1) * BLOCK_M), 0
     )
     for n0 in range(0, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < seq_len
-        k, k_s = load_kv_tile(
-            k_cache_ptr, k_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
-            stride_ch, stride_cb, stride_cs, stride_sh, stride_sb,
-            BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, n0, seq_len, positions, context_len + m_tile * BLOCK_M, kv,
+            qk_scale, tail, BLOCK_N, BLOCK_SIZE, SCALE_MODE, PRECISION, DOT_DTYPE,
+            q_ptr.dtype.element_ty, HAS_TAIL, True,
         )  # fmt: skip
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-        scores = scores * (k_s * qk_scale)[None, :]
-        if HAS_TAIL:
-            exact, has_res = tail_exact(offs_n, mask_n, positions, lo, num_sinks, window)
-            in_tail = tile_has_tail(n0, lo, num_sinks, context_len + m_tile * BLOCK_M, window,
-                                    BLOCK_N)  # fmt: skip
-            res_at = (offs_n, offs_d, mask_d, has_res, context_len, lo, ring, ring_mod,
-                      ring_row, sink_row, q_start, row_width, head_dim, 2 * num_kv_heads)  # fmt: skip
-            if in_tail:
-                scores = tail_scores(scores, q, exact, res_k, res_at, qk_scale, PRECISION,
-                                      DOT_DTYPE)  # fmt: skip
-        visible = mask_n[None, :] & (offs_n[None, :] <= positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        # every row sees key 0 in the first tile, so m_new is finite from there on
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v, v_s = load_kv_tile(
-            v_cache_ptr, v_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
-            stride_ch, stride_cb, stride_cs, stride_sh, stride_sb,
-            BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
-        )  # fmt: skip
-        pv = (p * v_s[None, :]).to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-        if HAS_TAIL:
-            if in_tail:
-                acc = tail_values(acc, p, exact, res_v, res_at, q_ptr.dtype.element_ty,
-                                   PRECISION, DOT_DTYPE)  # fmt: skip
-        m_i = m_new
 
     if SCALE_MODE == 2:
         static_off = kv_head * stride_static_h + offs_d * stride_static_d

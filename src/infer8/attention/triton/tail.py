@@ -13,7 +13,7 @@ A step on the CUDA backend does, per layer:
    attention: a long chunk overwrites ring positions its first queries still read).
 
 Query a reads position j exactly iff j has a residual (j >= lo or j < the sinks) and j is in
-its segment (j >= a // W * W) or a sink. Every index is a per-token or per-sequence tensor of fixed
+its window cut at its segment's start (j > a - W and j >= a // (K * W) * (K * W)) or a sink. Every index is a per-token or per-sequence tensor of fixed
 shape, so a CUDA-graph bucket holds them in static buffers (cuda_graphs.py).
 """
 
@@ -25,11 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from infer8.attention.exact_tail import TailMetadata, segment_start
+from infer8.attention.exact_tail import TailMetadata, first_exact
+from infer8.attention.tail_defaults import EXACT_TAIL_SEGMENT_WINDOWS
 
 # Columns of the per-sequence tail table the attention kernels read (constexpr: jit code may
 # read module globals only as constants).
 LO, NUM_SINKS, RING_ROW, SINK_ROW = (tl.constexpr(c) for c in range(4))
+SEGMENT_WINDOWS = tl.constexpr(EXACT_TAIL_SEGMENT_WINDOWS)  # a segment's length in windows
 
 
 @dataclass
@@ -59,7 +61,7 @@ def build_tail_step(
         rows = []
         for i in ids:
             s0 = seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i])
-            lo = max(tail.exact_starts[i], segment_start(s0, tail.window))
+            lo = first_exact(s0, tail.window, tail.exact_starts[i])
             rows.append([lo, tail.num_sinks[i], tail.rows[i], max(tail.sink_rows[i], 0)])
         return torch.tensor(rows, dtype=torch.int32, device=device).view(len(ids), 4)
 
@@ -78,8 +80,11 @@ def tail_exact(offs_n, mask_n, positions, lo, num_sinks, window):
     Also returns, per key, whether it has a residual at all (for load_residual).
     """
     has_res = mask_n & ((offs_n >= lo) | (offs_n < num_sinks))
-    in_segment = offs_n[None, :] >= (positions // window * window)[:, None]
-    return has_res[None, :] & (in_segment | (offs_n < num_sinks)[None, :]), has_res
+    segment = window * SEGMENT_WINDOWS
+    in_window = (offs_n[None, :] > positions[:, None] - window) & (
+        offs_n[None, :] >= (positions // segment * segment)[:, None]
+    )
+    return has_res[None, :] & (in_window | (offs_n < num_sinks)[None, :]), has_res
 
 
 @triton.jit
@@ -115,7 +120,9 @@ def seq_tail(
 def tile_has_tail(n0, lo, num_sinks, min_position, window, BLOCK_N: tl.constexpr):
     """Return whether keys [n0, n0 + BLOCK_N) hold an exact position for a query >= min_position."""
     last = n0 + BLOCK_N - 1
-    return (n0 < num_sinks) | ((last >= lo) & (last >= min_position // window * window))
+    segment = window * SEGMENT_WINDOWS
+    first = tl.maximum(min_position - window + 1, min_position // segment * segment)
+    return (n0 < num_sinks) | ((last >= lo) & (last >= first))
 
 
 @triton.jit

@@ -1,12 +1,13 @@
 """Device functions the Triton attention kernels share: a paged-cache tile widened in registers
-with its per-token scales, and the FP8 exact tail's residual terms added to scores and values."""
+with its per-token scales, the FP8 exact tail's residual terms added to scores and values, and
+the online-softmax step over one tile of keys that the decode and prefill kernels both run."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from infer8.attention.triton.tail import load_residual
+from infer8.attention.triton.tail import load_residual, tail_exact, tile_has_tail
 
 
 @triton.jit
@@ -68,3 +69,74 @@ def tail_values(acc, p, exact, res, res_at, out_dtype: tl.constexpr, PRECISION: 
     r, r_s = load_residual(*res, *res_at, DOT_DTYPE)
     p_r = (tl.where(exact, p, 0.0) * r_s[None, :]).to(out_dtype).to(DOT_DTYPE)
     return acc + tl.dot(p_r, r, input_precision=PRECISION)
+
+
+@triton.jit
+def attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    n0,
+    limit,
+    positions,
+    min_position,
+    kv,
+    qk_scale,
+    tail,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """One online-softmax step: keys [n0, n0 + BLOCK_N) (those below `limit`) into the running
+    max m_i, sum l_i (base 2) and output acc of the queries q (at `positions`, the first at
+    `min_position`). Returns (m_i, l_i, acc).
+
+    kv: (K cache, K scales, V cache, V scales, the sequence's block-table row, KV head, offs_d,
+    mask_d, the cache's and the scales' strides); tail (read with HAS_TAIL): (lo, sinks, window,
+    K's and V's residual pointers, then load_residual's per-sequence arguments from the first
+    new position on). CAUSAL: a query sees keys up to its own position.
+    """
+    (k_cache_ptr, k_scale_ptr, v_cache_ptr, v_scale_ptr, table_row, kv_head, offs_d, mask_d,
+     stride_ch, stride_cb, stride_cs, stride_sh, stride_sb) = kv  # fmt: skip
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < limit
+    k, k_s = load_kv_tile(
+        k_cache_ptr, k_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
+        stride_ch, stride_cb, stride_cs, stride_sh, stride_sb, BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
+    )  # fmt: skip
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    scores = scores * (k_s * qk_scale)[None, :]
+    if HAS_TAIL:
+        (lo, num_sinks, window, res_k, res_v, first_new, ring, ring_mod, ring_row, sink_row,
+         new_row0, row_width, head_dim, num_heads2) = tail  # fmt: skip
+        exact, has_res = tail_exact(offs_n, mask_n, positions, lo, num_sinks, window)
+        in_tail = tile_has_tail(n0, lo, num_sinks, min_position, window, BLOCK_N)
+        res_at = (offs_n, offs_d, mask_d, has_res, first_new, lo, ring, ring_mod, ring_row,
+                  sink_row, new_row0, row_width, head_dim, num_heads2)  # fmt: skip
+        if in_tail:
+            scores = tail_scores(scores, q, exact, res_k, res_at, qk_scale, PRECISION, DOT_DTYPE)
+    if CAUSAL:
+        visible = mask_n[None, :] & (offs_n[None, :] <= positions[:, None])
+    else:
+        visible = mask_n[None, :]
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v, v_s = load_kv_tile(
+        v_cache_ptr, v_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
+        stride_ch, stride_cb, stride_cs, stride_sh, stride_sb, BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
+    )  # fmt: skip
+    pv = (p * v_s[None, :]).to(OUT_DTYPE).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+    if HAS_TAIL:
+        if in_tail:
+            acc = tail_values(acc, p, exact, res_v, res_at, OUT_DTYPE, PRECISION, DOT_DTYPE)
+    return m_new, l_i, acc

@@ -1,8 +1,8 @@
 // The band of a prefill chunk with an FP8 cache's exact tail (split_prefill.py's Band), for
 // float32 or bf16 CPU tensors (computed in float32): query i of the chunk, at position
 // a = first_position + W - 1 + i, sees band keys i .. i + W - 1 (those below valid_from
-// excepted), those of its segment (positions >= max(a / W * W, exact_start)) in their exact
-// values, the ones before in their block values. One pass per (query head, query): W dot
+// excepted), those from its segment's start (positions >= max(a / segment * segment,
+// exact_start)) in their exact values, the ones before in their block values. One pass per (query head, query): W dot
 // products, their log-sum-exp, the weighted values; the torch form pads queries into blocks,
 // unfolds the keys and runs ~10 element-wise passes over [blocks, B, B + W - 1] scores.
 
@@ -20,8 +20,8 @@
 void infer8_band_attention(const void* q, const void* k, const void* v, const void* kq,
                            const void* vq, int64_t num_heads, int64_t group, int64_t q_len,
                            int64_t n, int64_t d, int64_t window, int64_t valid_from,
-                           int64_t first_position, int64_t exact_start, float scale, int bf16,
-                           void* out, float* lse) {
+                           int64_t first_position, int64_t exact_start, int64_t segment,
+                           float scale, int bf16, void* out, float* lse) {
 #pragma omp parallel
     {
         float* s = malloc(sizeof(float) * (window + 8 + 2 * d));
@@ -36,7 +36,7 @@ void infer8_band_attention(const void* q, const void* k, const void* v, const vo
             const int64_t last = i + window - 1 < n - 1 ? i + window - 1 : n - 1;
             const int64_t count = last - first + 1;
             const int64_t a = first_position + window - 1 + i;  // the query's position
-            int64_t seg = a / window * window;
+            int64_t seg = a / segment * segment;
             seg = seg > exact_start ? seg : exact_start;
             const int64_t split = seg - first_position;  // band keys below it: block values
             memset(o, 0, sizeof(float) * d);

@@ -16,6 +16,7 @@
 #include "hadamard.h"
 #include "simd.h"
 #include "tail_row.h"
+#include "args.h"
 
 static inline float bits_to_float(uint32_t b) {
     float f;
@@ -568,13 +569,8 @@ void infer8_tail_pair(const tail_row_args rows[2], int64_t d, int x_f32, int blo
 #undef BY_FORMAT
 }
 
-void infer8_prefill_tail(const void* k, int64_t k_stride, const void* v, int64_t v_stride,
-                         int64_t n, int64_t kvh, int64_t d, int x_f32, int rotate_keys,
-                         int rotate_values, int block_is_e5m2, float block_per_amax,
-                         float e4m3_per_amax, const int64_t* slot_mapping, int64_t num_slots,
-                         uint8_t* k_cache, uint16_t* k_scale, uint8_t* v_cache,
-                         uint16_t* v_scale, uint8_t* res_q, uint16_t* res_scale, void* tail,
-                         void* block) {
+void infer8_prefill_tail_struct(const infer8_prefill_tail_args* a) {
+    INFER8_PREFILL_TAIL_FIELDS(INFER8_UNPACK)
     // rows r = (t * 2 + side) * kvh + h, two at a time (2 n kvh of them: an even number)
     const int64_t rows = n * 2 * kvh;
 #pragma omp parallel for schedule(static)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from infer8.attention.cpu.library import NativeLibrary
+from infer8.kernels.cpu.library import NativeLibrary
 
 
 class NativeElementwise:
@@ -32,12 +32,6 @@ class NativeElementwise:
         return out
 
     # -- the layer's element-wise passes (csrc/elementwise.c), float32 or bf16 CPU tensors -----
-    @staticmethod
-    def elementwise_supported(x: torch.Tensor) -> bool:
-        """Return whether rms_norm, silu_and_mul, rope_ and band_attention run on x (float32 or
-        bf16, CPU)."""
-        return x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
-
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None
     ) -> torch.Tensor:

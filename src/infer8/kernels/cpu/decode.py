@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer8.attention.cpu.library import NativeLibrary
+from infer8.kernels.cpu.library import NativeLibrary
 from infer8.quant import fp8
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from infer8.attention.cpu.library import NativeLibrary
+from infer8.kernels.cpu.library import NativeLibrary
 
 
 class NativeSampling:

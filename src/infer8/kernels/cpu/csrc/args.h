@@ -1,9 +1,14 @@
 // The argument structs of the native functions with long argument lists: each field named
-// and typed once here (X-macros), so Python fills a ctypes Structure by field name instead of
+// and typed once, here (X-macros). The functions take the struct and open their bodies with
+// INFER8_<NAME>_FIELDS(INFER8_UNPACK), which declares one local per field; Python reads these
+// lists to build its ctypes Structures (library.py) and fills them by field name instead of
 // passing 20-40 positional values. infer8_args_layout reports each struct's field offsets and
-// size, which a test checks against the Python declarations (attention/cpu/library.py).
+// size, which a test checks against the Python side.
 #pragma once
 #include <stdint.h>
+
+// Declares a function's local `name` from its argument struct `a`.
+#define INFER8_UNPACK(type, name) type name = a->name;
 
 #define INFER8_DECODE_ATTENTION_FIELDS(X) \
     X(const void*, q) \

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 from pathlib import Path
 
-from infer8.attention.cpu.build import build_library
+from infer8.kernels.cpu.build import build_library
 
 logger = logging.getLogger(__name__)
 
@@ -34,57 +35,32 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "nucleus_candidates": (_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P),
     "rope": (_P, _I64, _I64, _I64, _I64, _P, _P, _I32),
     "band_attention": (
-        _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I32, _P,
-        _P,
+        _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I32,
+        _P, _P,
     ),
 }  # fmt: skip
-# The functions with long argument lists take one struct (csrc/args.h), fields in its order.
-_STRUCTS: dict[str, tuple[tuple[str, type], ...]] = {
-    "decode_attention": (
-        ("q", _P), ("k_cache", _P), ("v_cache", _P), ("k_scale", _P), ("v_scale", _P),
-        ("kind", _I32), ("table", _P), ("table_stride", _I64), ("seq_lens", _P), ("batch", _I64),
-        ("num_kv_heads", _I64), ("group", _I64), ("num_blocks", _I64), ("block_size", _I64),
-        ("d", _I64), ("sm_scale", _F32), ("x_f32", _I32), ("new_k", _P), ("new_v", _P),
-        ("store", _P), ("store_scale", _P), ("read_rows", _P), ("seats", _I64), ("stride", _I64),
-        ("pos", _P), ("valid", _P), ("width", _I64), ("out", _P),
-    ),
-    "decode_layer": (
-        ("q", _P), ("q_stride", _I64), ("k", _P), ("v", _P), ("kv_stride", _I64),
-        ("slot_mapping", _P), ("k_cache", _P), ("v_cache", _P), ("k_scale", _P), ("v_scale", _P),
-        ("kind", _I32), ("table", _P), ("table_stride", _I64), ("seq_lens", _P), ("batch", _I64),
-        ("num_kv_heads", _I64), ("group", _I64), ("num_blocks", _I64), ("block_size", _I64),
-        ("d", _I64), ("sm_scale", _F32), ("x_f32", _I32), ("rotate_keys", _I32),
-        ("rotate_values", _I32), ("cache_per_amax", _F32), ("store", _P), ("store_scale", _P),
-        ("read_rows", _P), ("seats", _I64), ("stride", _I64), ("pos", _P), ("valid", _P),
-        ("width", _I64), ("e4m3_per_amax", _F32), ("sink_ids", _P), ("sink_slots", _P),
-        ("num_sinks", _I64), ("ring_ids", _P), ("ring_slots", _P), ("num_rings", _I64),
-        ("out", _P),
-    ),
-    "prefill_tail": (
-        ("k", _P), ("k_stride", _I64), ("v", _P), ("v_stride", _I64), ("n", _I64), ("kvh", _I64),
-        ("d", _I64), ("x_f32", _I32), ("rotate_keys", _I32), ("rotate_values", _I32),
-        ("block_is_e5m2", _I32), ("block_per_amax", _F32), ("e4m3_per_amax", _F32),
-        ("slot_mapping", _P), ("num_slots", _I64), ("k_cache", _P), ("k_scale", _P),
-        ("v_cache", _P), ("v_scale", _P), ("res_q", _P), ("res_scale", _P), ("tail", _P),
-        ("block", _P),
-    ),
-    "two_value_attention": (
-        ("q", _P), ("q_tok", _I64), ("q_head", _I64), ("k1", _P), ("k1_head", _I64), ("k2", _P),
-        ("k2_head", _I64), ("v1", _P), ("v1_head", _I64), ("v2", _P), ("v2_head", _I64),
-        ("k_row", _I64), ("v_row", _I64), ("second", _P), ("num_heads", _I64),
-        ("num_kv_heads", _I64), ("q_len", _I64), ("n", _I64), ("d", _I64), ("q_start", _I64),
-        ("scale", _F32), ("bf16", _I32), ("out", _P), ("o_tok", _I64), ("o_head", _I64),
-        ("rotate_q", _I32), ("rotate_out", _I32),
-    ),
-    "two_value_prompts": (
-        ("q", _P), ("q_tok", _I64), ("q_head", _I64), ("k1", _P), ("k1_head", _I64), ("k2", _P),
-        ("k2_head", _I64), ("v1", _P), ("v1_head", _I64), ("v2", _P), ("v2_head", _I64),
-        ("k_row", _I64), ("v_row", _I64), ("seconds", _P), ("num_seqs", _I64), ("starts", _P),
-        ("lens", _P), ("num_heads", _I64), ("num_kv_heads", _I64), ("d", _I64), ("scale", _F32),
-        ("bf16", _I32), ("out", _P), ("o_tok", _I64), ("o_head", _I64), ("rotate_q", _I32),
-        ("rotate_out", _I32),
-    ),
-}  # fmt: skip
+# The functions with long argument lists take one struct, whose fields csrc/args.h lists once
+# (`#define INFER8_<NAME>_FIELDS(X)` of `X(type, name)` lines): read from there.
+_ARGS_HEADER = Path(__file__).with_name("csrc") / "args.h"
+
+
+def _ctype(c_type: str) -> type:
+    """Return the ctypes type of an args.h field type (every pointer is a void pointer)."""
+    if "*" in c_type:
+        return _P
+    return {"int64_t": _I64, "int": _I32, "float": _F32}[c_type.strip()]
+
+
+def read_struct_fields(header: str) -> dict[str, tuple[tuple[str, type], ...]]:
+    """Return each struct-argument function's (field, ctypes type) list from args.h's text."""
+    structs: dict[str, tuple[tuple[str, type], ...]] = {}
+    for m in re.finditer(r"#define INFER8_(\w+)_FIELDS\(X\)((?:\s*\\\n\s*X\(.*?\))+)", header):
+        fields = re.findall(r"X\(([^,]+),\s*(\w+)\)", m.group(2))
+        structs[m.group(1).lower()] = tuple((name, _ctype(c_type)) for c_type, name in fields)
+    return structs
+
+
+_STRUCTS = read_struct_fields(_ARGS_HEADER.read_text())
 
 
 def _structure(name: str, fields: tuple[tuple[str, type], ...]) -> type[ctypes.Structure]:

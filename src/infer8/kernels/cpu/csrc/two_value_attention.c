@@ -24,6 +24,7 @@
 
 #include "hadamard.h"
 #include "simd.h"
+#include "args.h"
 
 enum { QB = 4, HB = 3, ROWS = QB * HB, CHUNKS = 4 };  // a task's rows: QB queries x HB heads
 
@@ -204,14 +205,8 @@ static inline __attribute__((always_inline)) void weighted_pairs(
 // h / group. d is a multiple of 8. rotate_q / rotate_out: q rows times the Hadamard matrix as
 // they are read, output rows as they are written (exact_tail.rotate: the values and roundings
 // of rotating q before the call and the output after it; d a power of two).
-void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, const void* k1,
-                                int64_t k1_head, const void* k2, int64_t k2_head,
-                                const void* v1, int64_t v1_head, const void* v2,
-                                int64_t v2_head, int64_t k_row, int64_t v_row,
-                                const uint8_t* second, int64_t num_heads,
-                                int64_t num_kv_heads, int64_t q_len, int64_t n, int64_t d,
-                                int64_t q_start, float scale, int bf16, void* out,
-                                int64_t o_tok, int64_t o_head, int rotate_q, int rotate_out) {
+void infer8_two_value_attention_struct(const infer8_two_value_attention_args* a) {
+    INFER8_TWO_VALUE_ATTENTION_FIELDS(INFER8_UNPACK)
     const int64_t es = bf16 ? 2 : 4;  // element size in bytes
     const int64_t group = num_heads / num_kv_heads, tiles = (n + 7) / 8, padded = tiles * 8;
     // one set of transposed tiles when both sides are the same keys (causal_attention)
@@ -429,31 +424,31 @@ void infer8_two_value_attention(const void* q, int64_t q_tok, int64_t q_head, co
     free(kt);
 }
 
-// infer8_two_value_attention for each of num_seqs prompts computed whole in one step (a
+// two_value_attention for each of num_seqs prompts computed whole in one step (a
 // prompt's queries are its keys: q_len = n, q_start 0), one call instead of one per prompt:
 // prompt s holds rows starts[s] .. starts[s] + lens[s] of q, the keys, the values and out
 // (row strides q_tok, k_row, v_row, o_tok), reading seconds[s] ([len, len]: 1 where a query
 // reads a key's second value; seconds NULL: first values only, one side when k1 == k2).
-void infer8_two_value_prompts(const void* q, int64_t q_tok, int64_t q_head, const void* k1,
-                              int64_t k1_head, const void* k2, int64_t k2_head, const void* v1,
-                              int64_t v1_head, const void* v2, int64_t v2_head, int64_t k_row,
-                              int64_t v_row, const uint8_t* const* seconds, int64_t num_seqs,
-                              const int64_t* starts, const int64_t* lens, int64_t num_heads,
-                              int64_t num_kv_heads, int64_t d, float scale, int bf16, void* out,
-                              int64_t o_tok, int64_t o_head, int rotate_q, int rotate_out) {
+void infer8_two_value_prompts_struct(const infer8_two_value_prompts_args* a) {
+    INFER8_TWO_VALUE_PROMPTS_FIELDS(INFER8_UNPACK)
     const int64_t es = bf16 ? 2 : 4;
     int64_t longest = 0;
     for (int64_t s = 0; s < num_seqs; s++) longest = lens[s] > longest ? lens[s] : longest;
     uint8_t* none = seconds == NULL ? calloc((size_t)(longest * longest) + 1, 1) : NULL;
     for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t a = starts[s], n = lens[s];
+        const int64_t start = starts[s], n = lens[s];
         if (n <= 0) continue;
-        infer8_two_value_attention(
-            (const char*)q + a * q_tok * es, q_tok, q_head, (const char*)k1 + a * k_row * es,
-            k1_head, (const char*)k2 + a * k_row * es, k2_head, (const char*)v1 + a * v_row * es,
-            v1_head, (const char*)v2 + a * v_row * es, v2_head, k_row, v_row,
-            seconds != NULL ? seconds[s] : none, num_heads, num_kv_heads, n, n, d, 0, scale, bf16,
-            (char*)out + a * o_tok * es, o_tok, o_head, rotate_q, rotate_out);
+        const infer8_two_value_attention_args one = {
+            .q = (const char*)q + start * q_tok * es, .q_tok = q_tok, .q_head = q_head,
+            .k1 = (const char*)k1 + start * k_row * es, .k1_head = k1_head,
+            .k2 = (const char*)k2 + start * k_row * es, .k2_head = k2_head,
+            .v1 = (const char*)v1 + start * v_row * es, .v1_head = v1_head,
+            .v2 = (const char*)v2 + start * v_row * es, .v2_head = v2_head, .k_row = k_row,
+            .v_row = v_row, .second = seconds != NULL ? seconds[s] : none,
+            .num_heads = num_heads, .num_kv_heads = num_kv_heads, .q_len = n, .n = n, .d = d,
+            .q_start = 0, .scale = scale, .bf16 = bf16, .out = (char*)out + start * o_tok * es,
+            .o_tok = o_tok, .o_head = o_head, .rotate_q = rotate_q, .rotate_out = rotate_out};
+        infer8_two_value_attention_struct(&one);
     }
     free(none);
 }

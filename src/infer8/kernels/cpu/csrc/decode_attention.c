@@ -27,6 +27,7 @@
 #include "hadamard.h"
 #include "simd.h"
 #include "tail_row.h"
+#include "args.h"
 
 enum { NEXT_TASK_BYTES = 32768 };  // prefetch_task's budget
 
@@ -290,14 +291,8 @@ static inline void store_row(void* x, int64_t at, int64_t d, int x_f32, const fl
 // offset t % stride; pos/valid [B, width]. out: [B, H, D]. x_f32: q/new/out are float32 (else
 // bf16, with the torch reference's roundings of scores, probabilities and the output; the
 // residuals' scales are applied after their dot products, as the cached rows' are).
-void infer8_decode_attention(
-    const void* q, const void* k_cache, const void* v_cache, const uint16_t* k_scale,
-    const uint16_t* v_scale, int kind, const int64_t* table, int64_t table_stride,
-    const int64_t* seq_lens, int64_t batch, int64_t num_kv_heads, int64_t group,
-    int64_t num_blocks, int64_t block_size, int64_t d, float sm_scale, int x_f32,
-    const void* new_k, const void* new_v, const uint8_t* store, const uint16_t* store_scale,
-    const int64_t* read_rows, int64_t seats, int64_t stride, const int64_t* pos,
-    const float* valid, int64_t width, void* out) {
+void infer8_decode_attention_struct(const infer8_decode_attention_args* a) {
+    INFER8_DECODE_ATTENTION_FIELDS(INFER8_UNPACK)
     const decode_params p = {k_cache, v_cache, k_scale, v_scale, kind, x_f32, table, seq_lens,
                              table_stride, num_kv_heads, group, num_blocks, block_size, d,
                              sm_scale, new_k != NULL ? store : NULL, store_scale, read_rows,
@@ -357,17 +352,8 @@ static void store_residuals(uint8_t* store, uint16_t* store_scale, int64_t store
 // stored (ring_ids/slots: its sequence's own seat, which no other task reads; the slot a new
 // row takes is the oldest position this task has just read). Every write lands before any
 // read of it, as AttentionMetadata requires.
-void infer8_decode_layer(
-    const void* q, int64_t q_stride, const void* k, const void* v, int64_t kv_stride,
-    const int64_t* slot_mapping, void* k_cache, void* v_cache, uint16_t* k_scale,
-    uint16_t* v_scale, int kind, const int64_t* table, int64_t table_stride,
-    const int64_t* seq_lens, int64_t batch, int64_t num_kv_heads, int64_t group,
-    int64_t num_blocks, int64_t block_size, int64_t d, float sm_scale, int x_f32,
-    int rotate_keys, int rotate_values, float cache_per_amax, uint8_t* store,
-    uint16_t* store_scale, const int64_t* read_rows, int64_t seats, int64_t stride,
-    const int64_t* pos, const float* valid, int64_t width, float e4m3_per_amax,
-    const int64_t* sink_ids, const int64_t* sink_slots, int64_t num_sinks,
-    const int64_t* ring_ids, const int64_t* ring_slots, int64_t num_rings, void* out) {
+void infer8_decode_layer_struct(const infer8_decode_layer_args* a) {
+    INFER8_DECODE_LAYER_FIELDS(INFER8_UNPACK)
     const decode_params p = {k_cache, v_cache, k_scale, v_scale, kind, x_f32, table, seq_lens,
                              table_stride, num_kv_heads, group, num_blocks, block_size, d,
                              sm_scale, store, store_scale, read_rows, pos, valid, seats, stride,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer8.attention.cpu.library import NativeLibrary
+from infer8.kernels.cpu.library import NativeLibrary
 
 if TYPE_CHECKING:
     from infer8.attention.cpu.split_prefill import Band
@@ -53,7 +53,8 @@ class PrefillKernels:
         self.lib.band_attention(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), kq.data_ptr(), vq.data_ptr(), num_heads,
             num_heads // k.shape[0], q_len, k.shape[1], d, band.window, band.valid_from,
-            band.first_position, band.exact_start, scale, int(q.dtype == torch.bfloat16),
+            band.first_position, band.exact_start, band.segment, scale,
+            int(q.dtype == torch.bfloat16),
             out.data_ptr(), lse.data_ptr(),
         )  # fmt: skip
         return out, lse
