@@ -47,8 +47,9 @@ def test_hits_are_shortened_to_segment_and_block_boundaries() -> None:
     assert ExactTailSeats(4, 96, 0, 16).usable_hit(112, None) == 96  # the default: 4 x 24
 
 
-def _scheduler(num_rows: int, segment: int = 8, sinks: int = 2, **kw: object) -> Scheduler:
-    kv = KVCacheManager(64, 4, exact_tail=(num_rows, segment, sinks), **kw)  # type: ignore[arg-type]
+def _scheduler(num_rows: int, num_blocks: int = 64, num_host_blocks: int = 0) -> Scheduler:
+    """A continuous scheduler over blocks of 4 tokens, with segments of 8 and 2 sinks."""
+    kv = KVCacheManager(num_blocks, 4, num_host_blocks=num_host_blocks, exact_tail=(num_rows, 8, 2))
     return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=256)
 
 
@@ -112,3 +113,20 @@ def test_host_hits_are_shortened_too() -> None:
     kv.seat(c)
     seat = kv.get_seat("c")
     assert seat is not None and (seat.exact_start, seat.writes_sinks) == (16, False)
+
+
+def test_the_scheduler_loads_a_host_hit_cut_to_a_segment_with_its_sinks() -> None:
+    sched = _scheduler(num_rows=2, num_blocks=8, num_host_blocks=16)
+    kv = sched.kv_cache_manager
+    prefix = list(range(1, 23))
+    for req_id, tokens in (("a", prefix + [90, 91, 92]), ("b", list(range(50, 77)))):
+        sched.add_request(_request(req_id, tokens))  # b needs every block: a's go to host
+        while req_id in sched.requests:
+            out = sched.schedule()
+            sched.update_from_output(out, _sampled(out))
+    sched.add_request(_request("c", prefix + [99]))
+    out = sched.schedule()
+    (c,) = out.scheduled
+    assert c.num_computed_tokens == 16 and len(out.host_load_slots) == 4  # 5 blocks, cut to 4
+    assert c.tail == TailSeat(c.tail.row, 16, c.tail.sink_slot, False) and c.tail.sink_slot >= 0
+    assert kv.get_seat("c") == c.tail
