@@ -34,6 +34,14 @@ def test_buckets_cover_every_batch_size_up_to_max_num_seqs() -> None:
     assert cuda_graphs.bucket_for(97, buckets) == 100
     assert cuda_graphs.bucket_for(101, buckets) is None
     assert cuda_graphs.batch_buckets(1) == [1]
+    # vLLM's steps: of 8 below 256, of 16 from there, so no batch pads more than 15 rows
+    for max_num_seqs in (7, 100, 256, 257, 300, 511, 512, 1024):
+        buckets = cuda_graphs.batch_buckets(max_num_seqs)
+        assert buckets[-1] == max_num_seqs and buckets == sorted(set(buckets))
+        for n in range(1, max_num_seqs + 1):
+            bucket = cuda_graphs.bucket_for(n, buckets)
+            assert bucket is not None and 0 <= bucket - n < (8 if n <= 256 else 16)
+    assert 264 not in cuda_graphs.batch_buckets(512) and 272 in cuda_graphs.batch_buckets(512)
 
 
 def _setup(

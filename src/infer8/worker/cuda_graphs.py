@@ -27,14 +27,11 @@ from infer8.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-# vLLM's shape: small sizes one by one, then steps of 8 and 16.
-_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-
-
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """Return the batch sizes to capture: the standard ones up to max_num_seqs, and it."""
-    buckets = [b for b in _BUCKETS if b < max_num_seqs]
-    return [*buckets, max_num_seqs]
+    """Return the batch sizes to capture, vLLM's: 1, 2, 4, then steps of 8 below 256 and of 16
+    from there, up to max_num_seqs (always captured), so a batch pads at most 15 rows."""
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, max_num_seqs, 16)]
+    return [*(b for b in sizes if b < max_num_seqs), max_num_seqs]
 
 
 def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
