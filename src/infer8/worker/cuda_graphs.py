@@ -27,6 +27,7 @@ from infer8.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
+
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """Return the batch sizes to capture, vLLM's: 1, 2, 4, then steps of 8 below 256 and of 16
     from there, up to max_num_seqs (always captured), so a batch pads at most 15 rows."""
