@@ -21,12 +21,14 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from infer8 import LLM, SamplingParams
 from infer8.config import EngineArgs
 from infer8.core.sched_output import SchedulerStats
 from infer8.engine import LLMEngine
 from infer8.entrypoints.openai.cli_args import ServerConfig
+from infer8.quant import kv_scales
 from infer8.request import Request
 from infer8.worker.memory import GiB
 from tests.utils import start_server, stop_server
@@ -52,16 +54,29 @@ VARIANTS = {
     "fp8_e4m3 tail 8, no sinks": dict(
         kv_cache_dtype="fp8_e4m3", kv_cache_exact_tail_tokens=8, kv_cache_exact_sink_tokens=0
     ),
+    # static per-layer scales (scales_path: an amax of 8 for every K and V channel), tail on
+    "fp8_e4m3 static scales": dict(kv_cache_dtype="fp8_e4m3", kv_scale="static"),
 }
 
 Answer = tuple[list[int], list[dict[int, float]]]
 
 
-def _llm(model_dir: Path, variant: str, **kwargs: Any) -> LLM:
+@pytest.fixture(scope="module")
+def scales_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The static variant's scales: an amax of 8 for the tiny Llama's 2 layers x 2 x 16."""
+    amax = [torch.full((2, 16), 8.0) for _ in range(2)]
+    path = tmp_path_factory.mktemp("scales") / "scales.json"
+    kv_scales.save_calibration(path, amax, amax, "layer", model="tiny", num_tokens=0)
+    return path
+
+
+def _llm(model_dir: Path, variant: str, scales: Path | None = None, **kwargs: Any) -> LLM:
     options: dict[str, Any] = dict(
         dtype="float32", block_size=8, max_model_len=160, max_num_seqs=4,
         kv_cache_memory_bytes=1 << 22, **VARIANTS[variant],
     )  # fmt: skip
+    if options.get("kv_scale") == "static":
+        options["kv_scales_path"] = str(scales)
     options.update(kwargs)
     return LLM(str(model_dir), **options)
 
@@ -91,8 +106,10 @@ def _stats(llm: LLM) -> list[SchedulerStats]:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_one_request_one_answer_whatever_the_path(llama_dir: Path, variant: str) -> None:
-    llm = _llm(llama_dir, variant)
+def test_one_request_one_answer_whatever_the_path(
+    llama_dir: Path, variant: str, scales_path: Path
+) -> None:
+    llm = _llm(llama_dir, variant, scales_path)
     (alone,) = _answers(llm, [TARGET])  # (a)
     stats = _stats(llm)
     (again,) = _answers(llm, [TARGET])  # (b) its prefix is cached now
@@ -100,19 +117,26 @@ def test_one_request_one_answer_whatever_the_path(llama_dir: Path, variant: str)
     assert hits == 96  # 12 cached blocks, cut to a segment start (4 windows of 24)
     _assert_same(again, alone, "(b) after a prefix hit")
 
-    batch = _answers(_llm(llama_dir, variant), OTHERS[:2] + [TARGET] + OTHERS[2:])  # (c)
+    batch = _answers(
+        _llm(llama_dir, variant, scales_path), OTHERS[:2] + [TARGET] + OTHERS[2:]
+    )  # (c)
     _assert_same(batch[2], alone, "(c) in a batch")
 
     for chunk in (16, 64, 512):  # (d)
-        (chunked,) = _answers(_llm(llama_dir, variant, max_num_batched_tokens=chunk), [TARGET])
+        (chunked,) = _answers(
+            _llm(llama_dir, variant, scales_path, max_num_batched_tokens=chunk), [TARGET]
+        )
         _assert_same(chunked, alone, f"(d) chunked at {chunk}")
 
     # (e) 37 blocks: all four are admitted (36 blocks), and the first decodes need 2 more, so the
     # last admitted (TARGET) is preempted, then recomputed (from its own cached blocks)
-    spec_llm = _llm(llama_dir, variant)
+    spec_llm = _llm(llama_dir, variant, scales_path)
     spec, rows = spec_llm.engine.kv_spec, spec_llm.engine.num_tail_rows
     tight = _llm(
-        llama_dir, variant, kv_cache_memory_bytes=spec.tail_bytes(rows) + 37 * spec.bytes_per_block
+        llama_dir,
+        variant,
+        scales_path,
+        kv_cache_memory_bytes=spec.tail_bytes(rows) + 37 * spec.bytes_per_block,
     )
     assert tight.engine.num_blocks == 37
     preempted: list[list[int]] = []
@@ -131,6 +155,7 @@ def test_one_request_one_answer_whatever_the_path(llama_dir: Path, variant: str)
     tiered = _llm(
         llama_dir,
         variant,
+        scales_path,
         kv_cache_memory_bytes=spec.tail_bytes(rows) + 20 * spec.bytes_per_block,
         kv_offloading_size=64 * spec.bytes_per_block / GiB,
     )
