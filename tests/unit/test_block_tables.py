@@ -40,6 +40,7 @@ def test_rows_follow_growing_lists_and_reused_rows_start_clean() -> None:
     rng = random.Random(0)
     tables = BlockTables(num_rows=2, width=2)  # both dimensions must grow
     running: dict[str, tuple[int, list[int]]] = {}  # req_id -> (tokens computed, blocks)
+    sent: dict[str, int] = {}  # req_id -> blocks sent
     next_block, next_id = 1, 0
     for _step in range(60):
         while len(running) < 5 and rng.random() < 0.7:  # admissions
@@ -57,7 +58,10 @@ def test_rows_follow_growing_lists_and_reused_rows_start_clean() -> None:
         query_lens = [q for _, q, _, _ in scheduled]
         computed = [c for _, _, c, _ in scheduled]
         block_ids = [b for _, _, _, b in scheduled]
-        rows = np.array([tables.update(r, b) for r, _, _, b in scheduled], dtype=np.int64)
+        rows = np.array(
+            [tables.append(r, b[sent.get(r, 0) :]) for r, _, _, b in scheduled], dtype=np.int64
+        )  # only the blocks the runner has not seen, as the scheduler sends them
+        sent.update({r: len(b) for r, _, _, b in scheduled})
         got = metadata_from_table(
             np.array(query_lens), np.array(computed), tables.table, rows,
             tables.num_blocks[rows], BLOCK_SIZE, CPU,
@@ -70,6 +74,7 @@ def test_rows_follow_growing_lists_and_reused_rows_start_clean() -> None:
         for req_id in list(running):  # departures free their rows for reuse
             if rng.random() < 0.15:
                 del running[req_id]
+                sent.pop(req_id, None)
                 tables.remove(req_id)
     assert tables.table.shape[0] > 2 and tables.table.shape[1] > 2
     # every free row is zero: a request that takes it pads with zeros, as the kernels expect
@@ -79,7 +84,9 @@ def test_rows_follow_growing_lists_and_reused_rows_start_clean() -> None:
 
 def test_a_resumed_request_is_written_afresh() -> None:
     tables = BlockTables()
-    row = tables.update("a", [5, 6, 7])
+    row = tables.append("a", [5, 6, 7])
+    assert tables.append("a", []) == row and tables.append("a", [8]) == row
+    assert tables.table[row, :5].tolist() == [5, 6, 7, 8, 0]
     tables.remove("a")  # preempted: its blocks went back to the pool
-    assert tables.update("a", [9]) == row
+    assert tables.append("a", [9]) == row
     assert tables.table[row, :4].tolist() == [9, 0, 0, 0] and tables.num_blocks[row] == 1

@@ -48,6 +48,7 @@ class KVCheckingRunner:
         self.tokens: dict[str, list[int]] = {}
         self.prefix_keys: dict[str, list[int]] = {}
         self.slots: dict[int, tuple[str | None, int]] = {}
+        self.tables: dict[str, list[int]] = {}  # block tables rebuilt from new_block_ids
 
     def _keys(self, req_id: str) -> list[int]:
         keys, tokens = self.prefix_keys[req_id], self.tokens[req_id]
@@ -62,6 +63,10 @@ class KVCheckingRunner:
         for req_id in sched.finished_req_ids:
             self.tokens.pop(req_id, None)
             self.prefix_keys.pop(req_id, None)
+        for req_id in sched.finished_req_ids + sched.preempted_req_ids:
+            self.tables.pop(req_id, None)  # as the model runner's block tables
+        for s in sched.scheduled:  # the scheduler sends only the blocks a table lacks
+            self.tables.setdefault(s.req_id, []).extend(s.new_block_ids)
         for new in sched.scheduled_new_reqs:
             self.tokens[new.req_id] = list(new.prompt_token_ids)
             self.prefix_keys[new.req_id] = []
@@ -69,12 +74,12 @@ class KVCheckingRunner:
             keys, salt = self._keys(s.req_id), self.salts[s.req_id]
             end = s.num_computed_tokens + s.num_new_tokens
             for pos in range(s.num_computed_tokens, end):
-                self.slots[self._slot(s.block_ids, pos)] = (salt, keys[pos])
+                self.slots[self._slot(self.tables[s.req_id], pos)] = (salt, keys[pos])
         out = ModelRunnerOutput()
         for s in sched.scheduled:  # read
             keys, salt = self._keys(s.req_id), self.salts[s.req_id]
             for pos in range(s.num_computed_tokens + s.num_new_tokens):
-                got = self.slots.get(self._slot(s.block_ids, pos))
+                got = self.slots.get(self._slot(self.tables[s.req_id], pos))
                 assert got == (salt, keys[pos]), f"{s.req_id} read a wrong slot at {pos}"
             if s.sample:
                 tokens = self.tokens[s.req_id]
@@ -354,7 +359,8 @@ def _run_workload(w: dict, enable_caching: bool) -> tuple[dict[str, list[int]], 
         for s in out.scheduled:
             assert s.num_new_tokens >= 1
             first, last = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens - 1
-            for b in s.block_ids[first // w["block_size"] : last // w["block_size"] + 1]:
+            table = kv.get_block_ids(s.req_id)
+            for b in table[first // w["block_size"] : last // w["block_size"] + 1]:
                 is_fresh = b not in computed or b in allocated
                 assert is_fresh, f"{s.req_id} writes into computed cached block {b}"
         for req, _ in sched.update_from_output(out, runner.execute(out)):

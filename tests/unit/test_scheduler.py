@@ -55,7 +55,8 @@ def check_step_invariants(
     assert len(holders) == kv.block_pool.num_used_blocks <= kv.num_blocks
     assert kv.block_pool.ref_cnts == [holders[b] for b in range(kv.num_blocks)]
     for s in out.scheduled:
-        assert len(s.block_ids) >= cdiv(s.num_computed_tokens + s.num_new_tokens, block_size)
+        num_blocks = len(kv.get_block_ids(s.req_id))
+        assert num_blocks >= cdiv(s.num_computed_tokens + s.num_new_tokens, block_size)
         assert s.num_new_tokens >= 1
 
 
@@ -274,3 +275,28 @@ def test_static_scheduler_pads_and_holds_blocks_until_batch_ends() -> None:
     assert paddings == [0, 1, 1, 1, 1]  # a finished after 2 tokens; b runs to 6
     out = sched.schedule()
     assert [s.req_id for s in out.scheduled] == ["c"]
+
+
+def test_the_runner_gets_only_new_block_ids_and_the_whole_table_after_a_preemption() -> None:
+    from infer8.core.kv_cache_manager import KVCacheManager
+    from infer8.core.sched_output import ModelRunnerOutput
+    from infer8.core.scheduler import Scheduler
+    from infer8.request import Request
+    from infer8.sampling_params import SamplingParams
+
+    sched = Scheduler(KVCacheManager(16, 4, enable_caching=False), 4, 64)
+    sched.add_request(Request("a", list(range(1, 10)), SamplingParams(max_tokens=20), []))
+    sent: list[list[int]] = []
+    for _ in range(6):  # the prompt (3 blocks), then decodes filling a 4th block
+        out = sched.schedule()
+        sent.append(out.scheduled[0].new_block_ids)
+        sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": 7}))
+    assert sent[0] == sched.kv_cache_manager.get_block_ids("a")[:3]
+    assert [len(ids) for ids in sent[1:]] == [0, 0, 0, 1, 0]  # 12 tokens fill 3 blocks
+    (request,) = sched.running
+    held = sched.kv_cache_manager.get_block_ids("a")
+    sched._preempt(sched.running.pop(), out)
+    assert request.num_preemptions == 1
+    out = sched.schedule()  # resumed: the runner dropped its row, so it gets the whole table
+    assert out.scheduled[0].new_block_ids == sched.kv_cache_manager.get_block_ids("a")
+    assert len(out.scheduled[0].new_block_ids) == len(held)

@@ -25,7 +25,9 @@ class ScheduledRequest:
     req_id: str
     num_computed_tokens: int
     num_new_tokens: int
-    block_ids: list[int]
+    # Blocks appended to its table since the runner last saw it: the whole table the first
+    # time (and again after a preemption), then only the new ones (vLLM's new_block_ids).
+    new_block_ids: list[int]
     # False for a prefill chunk that stops short of the last known token: nothing to sample.
     sample: bool = True
     # An FP8 cache's exact tail: where this request's ring and sinks are (None without one).

@@ -42,6 +42,7 @@ class SchedulerBase:
         self._seen_by_runner: set[str] = set()
         self._finished_since_last_step: list[str] = []
         self._new_token_ids: dict[str, int] = {}  # sampled last step, sent with the next one
+        self._num_blocks_sent: dict[str, int] = {}  # block ids the runner holds, per request
         self._stats = SchedulerStats()
 
     # -- request lifecycle ------------------------------------------------------------------
@@ -74,6 +75,7 @@ class SchedulerBase:
     def _release(self, request: Request) -> None:
         """Free a finished request's blocks and forget it."""
         self.kv_cache_manager.free(request.request_id)
+        self._num_blocks_sent.pop(request.request_id, None)
         del self.requests[request.request_id]
         self._stats.finished_req_ids.append(request.request_id)
         if request.request_id in self._seen_by_runner:
@@ -120,12 +122,15 @@ class SchedulerBase:
         if request.first_scheduled_time_s is None:
             request.first_scheduled_time_s = time.monotonic()
         end = request.num_computed_tokens + num_new_tokens
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        num_sent = self._num_blocks_sent.get(request.request_id, 0)
+        self._num_blocks_sent[request.request_id] = len(block_ids)
         out.scheduled.append(
             ScheduledRequest(
                 req_id=request.request_id,
                 num_computed_tokens=request.num_computed_tokens,
                 num_new_tokens=num_new_tokens,
-                block_ids=list(self.kv_cache_manager.get_block_ids(request.request_id)),
+                new_block_ids=block_ids[num_sent:],
                 sample=end == request.num_tokens,
                 tail=self.kv_cache_manager.get_seat(request.request_id),
             )
@@ -327,6 +332,7 @@ class Scheduler(SchedulerBase):
         recomputes only what follows them.
         """
         self.kv_cache_manager.free(request.request_id)
+        self._num_blocks_sent.pop(request.request_id, None)  # the runner drops its row
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -78,6 +78,7 @@ class StaticScheduler(SchedulerBase):
     def _on_finished(self, request: Request) -> None:
         """Keep the finished request's seat and blocks until its batch ends."""
         self.running.remove(request)
+        self._num_blocks_sent.pop(request.request_id, None)
         del self.requests[request.request_id]
         self._stats.finished_req_ids.append(request.request_id)
         self._seen_by_runner.discard(request.request_id)

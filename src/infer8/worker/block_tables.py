@@ -1,9 +1,10 @@
 """Each running request's block ids in one persistent table, updated as blocks are appended.
 
-The scheduler hands out a request's whole block list every step (plain data); a running
-request's list only grows, so the runner writes the new tail of it into the request's row and
-the step's tables are numpy gathers of rows (vLLM's BlockTable). Rows are zero past their
-blocks, as the kernels expect of padding.
+The scheduler sends a request's whole block list when the runner first sees it (or sees it
+again after a preemption) and then only the blocks appended since (vLLM's new_block_ids), so a
+step's host work grows with new blocks, not with context; the runner appends them to the
+request's row and the step's tables are numpy gathers of rows (vLLM's BlockTable). Rows are
+zero past their blocks, as the kernels expect of padding.
 """
 
 from __future__ import annotations
@@ -20,21 +21,19 @@ class BlockTables:
         self.rows: dict[str, int] = {}
         self._free = list(range(num_rows - 1, -1, -1))
 
-    def update(self, req_id: str, block_ids: list[int]) -> int:
-        """Return the request's row, holding block_ids (appending what is new to it)."""
+    def append(self, req_id: str, new_block_ids: list[int]) -> int:
+        """Return the request's row after appending new_block_ids to it (a new row if none)."""
         row = self.rows.get(req_id)
         if row is None:
             row = self._take_row(req_id)
-        known, n = int(self.num_blocks[row]), len(block_ids)
+        known = int(self.num_blocks[row])
+        n = known + len(new_block_ids)
         if n > self.table.shape[1]:
             wider = np.zeros((self.table.shape[0], max(n, 2 * self.table.shape[1])), np.int64)
             wider[:, : self.table.shape[1]] = self.table
             self.table = wider
-        if n < known:  # not a running request's list (the row was reused): write it whole
-            self.table[row, n:known] = 0
-            known = 0
-        if n > known:
-            self.table[row, known:n] = block_ids[known:]
+        if new_block_ids:
+            self.table[row, known:n] = new_block_ids
             self.num_blocks[row] = n
         return row
 

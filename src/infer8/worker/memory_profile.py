@@ -239,9 +239,8 @@ def warm_up_runtime(
     )
     runner.execute(prefill)
     decode = SchedulerOutput(
-        scheduled=[
-            ScheduledRequest(r.req_id, n, 1, b, tail=seat)
-            for r, n, b, seat in zip(new, lens, block_ids, seats)
+        scheduled=[  # no new blocks: the prefill step sent them all
+            ScheduledRequest(r.req_id, n, 1, [], tail=seat) for r, n, seat in zip(new, lens, seats)
         ],
         new_token_ids={r.req_id: 1 for r in new},
     )

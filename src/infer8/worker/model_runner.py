@@ -140,7 +140,7 @@ class ModelRunner:
             self.block_tables.remove(req_id)
         self._transfer_host_blocks(sched)
         for new in sched.scheduled_new_reqs:
-            self.block_tables.remove(new.req_id)  # a resumed request's blocks start afresh
+            self.block_tables.remove(new.req_id)  # its blocks come whole in this step
             p = new.sampling_params
             gen = None
             if p.seed is not None:
@@ -159,7 +159,8 @@ class ModelRunner:
         query_lens = np.fromiter((s.num_new_tokens for s in sched.scheduled), np.int64)
         computed = np.fromiter((s.num_computed_tokens for s in sched.scheduled), np.int64)
         rows = np.fromiter(
-            (self.block_tables.update(s.req_id, s.block_ids) for s in sched.scheduled), np.int64
+            (self.block_tables.append(s.req_id, s.new_block_ids) for s in sched.scheduled),
+            np.int64,
         )
         tables = self.block_tables
         meta = metadata_from_table(
