@@ -76,16 +76,26 @@ def _cmd_eval_kv(ns: argparse.Namespace) -> int:
     else:
         result = run_kv_eval(engine_args_from(ns), num_tokens=ns.num_tokens, text=ns.text)
         print(format_kv_report(result))
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {ns.json}")
+    _write_json(ns.json, result)
     return 0
+
+
+def _compared_kv_dtypes(ns: argparse.Namespace) -> list[str]:
+    """Return the task evals' cache dtypes: auto, then --compare-kv-cache-dtypes."""
+    return ["auto", *[k for k in ns.compare_kv_cache_dtypes.split(",") if k]]
+
+
+def _write_json(path: str | None, result: dict[str, Any]) -> None:
+    """Write an eval's result as JSON where --json asked."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
 
 
 def _cmd_eval_humaneval(ns: argparse.Namespace) -> int:
     from infer8.eval.humaneval import run_humaneval
 
-    kv_dtypes = ["auto", *[k for k in ns.compare_kv_cache_dtypes.split(",") if k]]
+    kv_dtypes = _compared_kv_dtypes(ns)
     result = run_humaneval(engine_args_from(ns), kv_dtypes, ns.max_tokens, ns.limit, ns.data)
     for kv, group in result["groups"].items():
         delta = group.get("pass_at_1_delta")
@@ -94,16 +104,15 @@ def _cmd_eval_humaneval(ns: argparse.Namespace) -> int:
             f"{kv:<10} pass@1 {100 * group['pass_at_1']:.2f}% "
             f"({group['num_passed']}/{result['num_problems']}){shown}"
         )
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(result, indent=2))
+    _write_json(ns.json, result)
     return 0
 
 
 def _cmd_eval_gsm8k(ns: argparse.Namespace) -> int:
     from infer8.eval.gsm8k import run_gsm8k
 
-    kv_dtypes = ["auto", *[k for k in ns.compare_kv_cache_dtypes.split(",") if k]]
-    result = run_gsm8k(engine_args_from(ns), ns.data, kv_dtypes, ns.max_tokens, ns.limit)
+    result = run_gsm8k(engine_args_from(ns), ns.data, _compared_kv_dtypes(ns), ns.max_tokens,
+                       ns.limit)  # fmt: skip
     for kv, group in result["groups"].items():
         delta = (
             f", delta {100 * group['accuracy_delta']:+.2f} pts" if "accuracy_delta" in group else ""
@@ -112,8 +121,7 @@ def _cmd_eval_gsm8k(ns: argparse.Namespace) -> int:
             f"{kv:<10} accuracy {100 * group['accuracy']:.2f}% "
             f"({group['num_correct']}/{result['num_questions']}){delta}"
         )
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(result, indent=2))
+    _write_json(ns.json, result)
     return 0
 
 

@@ -295,7 +295,7 @@ class LLMEngine:
         cache salt keeps whatever it leaves in the prefix cache from being reused.
         """
         if self.has_unfinished_requests():
-            raise RuntimeError("score on an idle engine")
+            raise RuntimeError("scoring needs an idle engine: requests are still running")
         if self.worker.tp_group is not None:  # the model runs here alone: workers would not join
             raise ValueError("scoring runs on one device; use --tensor-parallel-size 1")
         n = len(token_ids)

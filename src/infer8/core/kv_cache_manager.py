@@ -39,7 +39,7 @@ class KVCacheManager:
     ) -> None:
         self.block_size = block_size
         self.tail: ExactTailSeats | None = None
-        if exact_tail is not None and exact_tail[0] > 0:
+        if exact_tail is not None:
             self.tail = ExactTailSeats(*exact_tail, block_size)
         self.enable_caching = enable_caching
         use_host = enable_caching and num_host_blocks > 0
