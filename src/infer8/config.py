@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from infer8.spec_decode.config import SpeculativeConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -334,6 +336,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     kv_events_config: KVEventsConfig
     quantization: str | None = None
+    speculative_config: SpeculativeConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -368,6 +371,17 @@ class EngineArgs:
     quantization: str | None = None
     chat_template: str | None = None
     kv_events_config: str | None = None
+    speculative_config: str | dict[str, Any] | None = None
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        """Validate and return the speculative decoding settings (None: off)."""
+        if self.speculative_config is None:
+            return None
+        if self.scheduler == "static":
+            raise ValueError(
+                "--speculative-config needs the continuous scheduler (drop --scheduler static)"
+            )
+        return SpeculativeConfig.from_json(self.speculative_config)
 
     def create_kv_events_config(self) -> KVEventsConfig:
         """Validate and return the KV events settings (off unless --kv-events-config enables)."""
@@ -383,6 +397,7 @@ class EngineArgs:
         """Validate and split into the three configs (dtype auto is resolved by the loader)."""
         self.create_parallel_config()  # fails here, with the other values, when invalid
         self.create_kv_events_config()
+        self.create_speculative_config()
         if self.quantization not in (None, "fp8", "none"):
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported; infer8 quantizes weights "
@@ -457,6 +472,7 @@ class EngineArgs:
             self.create_parallel_config(),
             self.create_kv_events_config(),
             None if self.quantization == "none" else self.quantization,
+            self.create_speculative_config(),
         )
         return config
 

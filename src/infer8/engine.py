@@ -27,6 +27,7 @@ from infer8.models.loader import read_hf_config, resolve_model_path
 from infer8.outputs import RequestOutput, RequestState, error_output
 from infer8.request import Request, RequestStatus
 from infer8.sampling_params import SamplingParams
+from infer8.spec_decode.speculator import Speculator
 from infer8.structured_output.manager import StructuredOutputManager
 from infer8.tokenizer import Tokenizer
 from infer8.worker.fit_check import check_fits_memory
@@ -146,8 +147,28 @@ class LLMEngine:
                 max_num_seqs,
                 max_num_batched_tokens,
                 policy=self.scheduler_config.policy,
+                speculator=self._speculator(),
             )
         return kv_cache_manager, scheduler
+
+    def _speculator(self) -> Speculator | None:
+        """Return the draft proposer for --speculative-config (None without)."""
+        config = self.config.speculative_config
+        if config is None:
+            return None
+        max_drafts = config.num_speculative_tokens
+        if self.num_tail_rows:
+            # a step's drafts and its own token must fit in the tail's ring (W - 1 positions),
+            # or a rejected draft would overwrite an accepted token's slot
+            max_drafts = self.kv_spec.exact_tail_tokens - 2
+            if config.num_speculative_tokens > max_drafts:
+                raise ValueError(
+                    f"--speculative-config: num_speculative_tokens "
+                    f"({config.num_speculative_tokens}) must be at most {max_drafts} with this "
+                    f"FP8 cache's exact tail of {self.kv_spec.exact_tail_tokens} tokens (raise "
+                    "--kv-cache-exact-tail-tokens or speculate fewer tokens)"
+                )
+        return Speculator(config, max_drafts)
 
     def _exact_tail_seats(self) -> tuple[int, int, int] | None:
         """Return an FP8 cache's exact-tail seats for the KV cache manager: (rows, segment,
@@ -332,7 +353,16 @@ class LLMEngine:
             # The grammar is complete (or was broken): the request ends with "stop".
             if not request.is_finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-        stop = state.add_tokens(new_ids, runner_out.logprobs.get(request.request_id))
+        if len(new_ids) > 1 and state.stop:
+            # accepted drafts: a stop string ends the output at the token that completes it,
+            # as it would have one token a step
+            for n, token_id in enumerate(new_ids, 1):
+                stop = state.add_tokens([token_id], None)
+                if stop is not None:
+                    del request.output_token_ids[len(request.output_token_ids) - len(new_ids) + n :]
+                    break
+        else:
+            stop = state.add_tokens(new_ids, runner_out.logprobs.get(request.request_id))
         if stop is not None:
             if not request.is_finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
@@ -380,6 +410,8 @@ class LLMEngine:
                 outputs.append(self._fail_request(request, f"output processing failed: {e!r}"))
         stats = self.scheduler.make_stats()
         stats.step_time_s = time.perf_counter() - t0
+        if self.scheduler.speculator is not None:  # what a step costs, for who drafts how much
+            self.scheduler.speculator.observe_step(sched_out, stats.step_time_s)
         self.last_stats = stats
         for log in self.stat_loggers:
             log(stats)

@@ -173,6 +173,23 @@ class EngineMetrics:
             registry=r,
         ).labels(model_name)
         self._num_saturated_seen = 0
+        # speculative decoding, as vLLM counts it (per verified draft, its tokens, the accepted
+        # ones, and the accepted ones by their position in the draft)
+        self.spec_decode_num_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Drafts verified.", name, registry=r
+        ).labels(model_name)
+        self.spec_decode_num_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", name, registry=r
+        ).labels(model_name)
+        self.spec_decode_num_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", name, registry=r
+        ).labels(model_name)
+        self._spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft.",
+            ["model_name", "position"],
+            registry=r,
+        )
 
     def on_step(self, stats: SchedulerStats) -> None:
         """Count one step's preemptions, padding and prefix cache lookups."""
@@ -186,6 +203,13 @@ class EngineMetrics:
             self.num_preemptions.inc(stats.num_preemptions)
         if stats.num_padded_tokens:
             self.padded_tokens.inc(stats.num_padded_tokens)
+        spec = stats.spec_decode
+        if spec is not None and spec.num_drafts:
+            self.spec_decode_num_drafts.inc(spec.num_drafts)
+            self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens)
+            for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                self._spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(n)
 
     def set_load(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         """Set the gauges of what the engine holds now."""

@@ -443,7 +443,7 @@ def test_the_worker_runs_a_hand_built_scheduler_output_alone(model_dirs: dict[st
     token = worker.execute_model(first).sampled_token_ids["a"]
     # the next step carries that token to the runner, as it does to every rank under TP
     second = SchedulerOutput(
-        scheduled=[ScheduledRequest("a", len(prompt), 1, [])], new_token_ids={"a": token}
+        scheduled=[ScheduledRequest("a", len(prompt), 1, [])], new_token_ids={"a": [token]}
     )
     token2 = worker.execute_model(second).sampled_token_ids["a"]
     assert worker.runner.states["a"].output_token_ids == [token]

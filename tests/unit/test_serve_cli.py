@@ -243,10 +243,11 @@ def test_serve_help_is_grouped_as_vllms_and_loads_no_torch() -> None:
     assert out.rstrip().endswith("NO TORCH")
     assert out.startswith("usage: infer8 serve [MODEL] [options]\n")
     sections = [line for line in out.splitlines() if line and not line[0].isspace()]
-    assert [s for s in sections if s.endswith(":")][-6:] == [
+    assert [s for s in sections if s.endswith(":")][-7:] == [
         "Model:",
         "Cache (KV blocks, FP8, prefix caching):",
         "Scheduler:",
+        "Speculative decoding:",
         "Parallel:",
         "Frontend (HTTP server, API keys, limits):",
         "vLLM's other flags (accepted as vLLM's, with a warning, or refused with the reason):",

@@ -62,7 +62,7 @@ def test_flags_map_onto_infer8_options() -> None:
         ("--pipeline-parallel-size 2", "pipeline parallelism"),
         ("--data-parallel-size 4", "replicas"),
         ("--enable-lora", "LoRA"),
-        ("--speculative-config {}", "speculative"),
+        ("""--speculative-config '{"method": "eagle"}'""", "needs a draft model"),
         ("--no-enable-chunked-prefill", "always on"),
         ("--tokenizer /other", "tokenizer"),
         ("--quantization awq", "quantization"),

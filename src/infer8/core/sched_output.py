@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from infer8.core.exact_tail_seats import TailSeat
 from infer8.sampling_params import SamplingParams
+from infer8.spec_decode.speculator import SpecDecodeStats
 
 
 @dataclass
@@ -32,6 +33,9 @@ class ScheduledRequest:
     sample: bool = True
     # An FP8 cache's exact tail: where this request's ring and sinks are (None without one).
     tail: TailSeat | None = None
+    # Speculative decoding: draft tokens computed after its known ones, the last
+    # len(spec_token_ids) of num_new_tokens; the runner verifies them (sample is True).
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -45,9 +49,10 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Static batching: dummy tokens computed to keep the padded batch rectangular.
     num_padding_tokens: int = 0
-    # The tokens sampled in the previous step (req_id -> token id), for requests the runner
-    # already knows: every rank appends them before building this step's inputs.
-    new_token_ids: dict[str, int] = field(default_factory=dict)
+    # The tokens the previous step appended (req_id -> token ids: accepted drafts, then the
+    # sampled one), for requests the runner already knows: every rank appends them before
+    # building this step's inputs.
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # The host KV tier's copies, done before the step writes any block, saves first: device
     # block host_save_block_ids[i] -> host slot host_save_slots[i], then host slot
     # host_load_slots[i] -> device block host_load_block_ids[i] (core/host_tier.py).
@@ -72,6 +77,9 @@ class ModelRunnerOutput:
     """Tokens sampled this step, for requests whose scheduled tokens reached their end."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # req_id -> how many of its drafts were accepted (they come before its sampled token);
+    # absent for a request without drafts
+    num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
     # req_id -> (logprob of the sampled token, [(token_id, logprob)] top-k by logprob)
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
     # req_id -> what went wrong, for requests that failed alone this step (the rest went on)
@@ -97,6 +105,7 @@ class SchedulerStats:
     num_host_cache_queries: int = 0
     num_host_cache_hits: int = 0
     step_time_s: float = 0.0
+    spec_decode: SpecDecodeStats | None = None  # the step's verified drafts (None: speculation off)
     scheduled_req_ids: list[str] = field(default_factory=list)
     admitted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)

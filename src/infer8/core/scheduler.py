@@ -20,6 +20,7 @@ from infer8.core.sched_output import (
     SchedulerStats,
 )
 from infer8.request import Request, RequestStatus
+from infer8.spec_decode.speculator import Speculator
 
 
 class SchedulerBase:
@@ -31,8 +32,10 @@ class SchedulerBase:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: SchedulingPolicy | str = SchedulingPolicy.FCFS,
+        speculator: Speculator | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.speculator = speculator  # drafts for decoding requests (continuous scheduler)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = SchedulingPolicy(policy)
@@ -41,7 +44,8 @@ class SchedulerBase:
         self.running: list[Request] = []
         self._seen_by_runner: set[str] = set()
         self._finished_since_last_step: list[str] = []
-        self._new_token_ids: dict[str, int] = {}  # sampled last step, sent with the next one
+        # appended last step (accepted drafts, then the sampled token), sent with the next one
+        self._new_token_ids: dict[str, list[int]] = {}
         self._num_blocks_sent: dict[str, int] = {}  # block ids the runner holds, per request
         self._stats = SchedulerStats()
 
@@ -76,6 +80,8 @@ class SchedulerBase:
         """Free a finished request's blocks and forget it."""
         self.kv_cache_manager.free(request.request_id)
         self._num_blocks_sent.pop(request.request_id, None)
+        if self.speculator is not None:
+            self.speculator.remove(request.request_id)
         del self.requests[request.request_id]
         self._stats.finished_req_ids.append(request.request_id)
         if request.request_id in self._seen_by_runner:
@@ -106,9 +112,14 @@ class SchedulerBase:
         return out
 
     def _schedule_request(
-        self, out: SchedulerOutput, request: Request, num_new_tokens: int
+        self,
+        out: SchedulerOutput,
+        request: Request,
+        num_new_tokens: int,
+        spec_token_ids: list[int] | None = None,
     ) -> None:
-        """Append one request's slice to the step's output."""
+        """Append one request's slice to the step's output: `num_new_tokens` known tokens, then
+        any drafts."""
         if request.request_id not in self._seen_by_runner:
             self._seen_by_runner.add(request.request_id)
             out.scheduled_new_reqs.append(
@@ -129,10 +140,11 @@ class SchedulerBase:
             ScheduledRequest(
                 req_id=request.request_id,
                 num_computed_tokens=request.num_computed_tokens,
-                num_new_tokens=num_new_tokens,
+                num_new_tokens=num_new_tokens + len(spec_token_ids or ()),
                 new_block_ids=block_ids[num_sent:],
                 sample=end == request.num_tokens,
                 tail=self.kv_cache_manager.get_seat(request.request_id),
+                spec_token_ids=spec_token_ids or [],
             )
         )
         self._stats.scheduled_req_ids.append(request.request_id)
@@ -149,13 +161,23 @@ class SchedulerBase:
             request = self.requests.get(sched.req_id)
             if request is None:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += sched.num_new_tokens
+            drafts = sched.spec_token_ids
+            num_accepted = runner_out.num_accepted_draft_tokens.get(sched.req_id, 0)
+            # rejected drafts were computed but are not the request's: they leave its progress
+            request.num_computed_tokens += sched.num_new_tokens - (len(drafts) - num_accepted)
             token_id = runner_out.sampled_token_ids.get(sched.req_id)
             if token_id is None:
                 continue
-            request.append_output_token(token_id)
-            self._new_token_ids[request.request_id] = token_id
-            progressed.append((request, [token_id]))
+            if drafts and self.speculator is not None:
+                self.speculator.on_verified(sched.req_id, len(drafts), num_accepted)
+            appended = []
+            for token in [*drafts[:num_accepted], token_id]:
+                request.append_output_token(token)
+                appended.append(token)
+                if request.is_finished:  # EOS, a stop token or the length cap: the rest goes
+                    break
+            self._new_token_ids[request.request_id] = appended
+            progressed.append((request, appended))
             if request.is_finished:
                 self._on_finished(request)
         return progressed
@@ -171,6 +193,8 @@ class SchedulerBase:
         stats.num_waiting = len(self.waiting)
         stats.num_kv_blocks_used = self.kv_cache_manager.block_pool.num_used_blocks
         stats.num_kv_blocks_total = self.kv_cache_manager.num_blocks
+        if self.speculator is not None:
+            stats.spec_decode = self.speculator.take_stats()
         return stats
 
     def schedule(self) -> SchedulerOutput:  # pragma: no cover - abstract
@@ -201,6 +225,10 @@ class Scheduler(SchedulerBase):
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
             assert num_new > 0
+            drafts = self._drafts(request, num_new, token_budget)
+            end = request.num_computed_tokens + num_new
+            if drafts and self.kv_cache_manager.allocate_slots(request, end + len(drafts)) is None:
+                drafts = []  # no blocks for them: a plain decode
             while (
                 self.kv_cache_manager.allocate_slots(request, request.num_computed_tokens + num_new)
                 is None
@@ -213,8 +241,8 @@ class Scheduler(SchedulerBase):
                 if victim is request:
                     break
             else:
-                self._schedule_request(out, request, num_new)
-                token_budget -= num_new
+                self._schedule_request(out, request, num_new, drafts)
+                token_budget -= num_new + len(drafts)
                 i += 1
                 continue
             break  # the request preempted itself: nothing further fits
@@ -258,6 +286,19 @@ class Scheduler(SchedulerBase):
         self._take_host_transfers(out)
         self._stats.num_scheduled_tokens = out.total_num_scheduled_tokens
         return out
+
+    def _drafts(self, request: Request, num_new: int, token_budget: int) -> list[int]:
+        """Return the drafts a running request verifies this step (none unless it decodes)."""
+        spec = self.speculator
+        decoding = num_new == 1 and request.num_tokens - request.num_computed_tokens == 1
+        if spec is None or not decoding or not spec.is_eligible(request):
+            return []
+        tail = self.kv_cache_manager.tail
+        if tail is not None and request.num_computed_tokens < tail.sink_tokens:
+            return []  # a rejected draft would be written over its sinks
+        num_running = len(self.running)
+        k = min(spec.num_draft_tokens(request, num_running, num_running), token_budget - 1)
+        return spec.propose(request, k)
 
     def _add_running(self, request: Request) -> None:
         """Put an admitted request in `running`: last (FCFS), or in (priority, arrival) order."""

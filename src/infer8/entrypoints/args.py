@@ -64,6 +64,9 @@ HELP: dict[str, str] = {
     "as they are)",
     "chat_template": "a Jinja chat template (file path or the template itself) replacing the "
     "model's",
+    "speculative_config": "speculative decoding as vLLM configures it (a JSON object): drafts "
+    "from the request's own tokens, verified in the batch, e.g. "
+    '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}\'',
     "kv_events_config": "publish prefix-cache events over ZMQ as vLLM does, for KV-aware routers "
     "(a JSON object of vLLM's KVEventsConfig), e.g. "
     '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
@@ -94,6 +97,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "kv_events_config",
     ),
     "Scheduler": ("max_num_seqs", "max_num_batched_tokens", "scheduler", "scheduling_policy"),
+    "Speculative decoding": ("speculative_config",),
     "Parallel": ("tensor_parallel_size",),
 }  # fmt: skip
 

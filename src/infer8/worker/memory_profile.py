@@ -242,7 +242,7 @@ def warm_up_runtime(
         scheduled=[  # no new blocks: the prefill step sent them all
             ScheduledRequest(r.req_id, n, 1, [], tail=seat) for r, n, seat in zip(new, lens, seats)
         ],
-        new_token_ids={r.req_id: 1 for r in new},
+        new_token_ids={r.req_id: [1] for r in new},
     )
     runner.execute(decode)
     graph_bytes = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,6 +24,7 @@ from infer8.worker.block_tables import BlockTables
 from infer8.worker.kv_offload import HostKVCache
 from infer8.worker.penalties import SamplingState
 from infer8.worker.sampler import Sampler
+from infer8.worker.spec_decode import DraftRows, TailRingBackup, verify
 
 if TYPE_CHECKING:  # triton is only needed (and installed) on CUDA machines
     from infer8.structured_output.manager import StructuredOutputManager
@@ -66,6 +68,8 @@ class ModelRunner:
         self.has_tail = bool(
             self.exact_tail_tokens and kv_caches and kv_caches[0].tail_store is not None
         )
+        # speculative decoding: the ring slots a step's drafts overwrite, until verified
+        self.ring_backup = TailRingBackup(self.exact_tail_tokens - 1) if self.has_tail else None
 
     def _add_tail_metadata(self, sched: SchedulerOutput, meta: AttentionMetadata) -> None:
         """Attach the tail's indices, from the seats the scheduler gave."""
@@ -117,6 +121,8 @@ class ModelRunner:
         """Forget every request (after a failed step): states and block rows."""
         self.states.clear()
         self.block_tables.clear()
+        if self.ring_backup is not None:
+            self.ring_backup.clear()
 
     def _transfer_host_blocks(self, sched: SchedulerOutput) -> None:
         """Do the host tier's copies before the step writes any block: saves, then loads."""
@@ -129,11 +135,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step of the model over the scheduled tokens and sample where due."""
-        # Last step's samples first: they are the inputs of this step's decodes.
-        for req_id, token_id in sched.new_token_ids.items():
+        # Last step's tokens first: they are the inputs of this step's decodes.
+        for req_id, token_ids in sched.new_token_ids.items():
             state = self.states.get(req_id)
             if state is not None:
-                state.output_token_ids.append(token_id)
+                state.output_token_ids.extend(token_ids)
+        if self.ring_backup is not None:  # last step's rejected drafts leave the ring
+            gone = {*sched.finished_req_ids, *sched.preempted_req_ids}
+            self.ring_backup.restore(self.kv_caches, sched.new_token_ids, gone)
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
         for req_id in sched.finished_req_ids + sched.preempted_req_ids:
@@ -154,14 +163,29 @@ class ModelRunner:
         input_ids: list[int] = []
         for s in sched.scheduled:
             state = self.states[s.req_id]
-            end = s.num_computed_tokens + s.num_new_tokens
+            end = s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
             input_ids.extend(_token_slice(state, s.num_computed_tokens, end))
+            if s.spec_token_ids:
+                input_ids.extend(s.spec_token_ids)
+                if self.ring_backup is not None and s.tail is not None:
+                    drafts = range(end, end + len(s.spec_token_ids))
+                    self.ring_backup.save(self.kv_caches, s.req_id, s.tail.row, drafts)
         query_lens = np.fromiter((s.num_new_tokens for s in sched.scheduled), np.int64)
         computed = np.fromiter((s.num_computed_tokens for s in sched.scheduled), np.int64)
         rows = np.fromiter(
             (self.block_tables.append(s.req_id, s.new_block_ids) for s in sched.scheduled),
             np.int64,
         )
+        ends = np.cumsum(query_lens)  # one past each request's last token in the flat batch
+        num_drafts = np.fromiter((len(s.spec_token_ids) for s in sched.scheduled), np.int64)
+        if num_drafts.any() and not self.has_tail:
+            # a verification's tokens as decode rows of one sequence (same table, each its own
+            # length): the decode path writes every row's K/V before any row attends, so each
+            # reads the drafts before it; with an exact tail they stay one chunk (each row's
+            # window would need the ring written in order)
+            query_lens, computed, rows = _drafts_as_decode_rows(
+                query_lens, computed, rows, num_drafts > 0
+            )
         tables = self.block_tables
         meta = metadata_from_table(
             query_lens, computed, tables.table, rows, tables.num_blocks[rows], self.block_size,
@@ -182,6 +206,8 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
         if not sample_rows:
             return ModelRunnerOutput()
+        if any(sched.scheduled[i].spec_token_ids for i in sample_rows):
+            return self._verify(sched, sample_rows, hidden, ends)
         last_token_idx = to_device(
             np.asarray([meta.query_start_loc[i + 1] - 1 for i in sample_rows], np.int64),
             self.device,
@@ -206,6 +232,67 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[req_id] = lp
         return out
+
+    def _verify(
+        self,
+        sched: SchedulerOutput,
+        sample_rows: list[int],
+        hidden: torch.Tensor,
+        ends: np.ndarray,
+    ) -> ModelRunnerOutput:
+        """Sample a step that holds drafts: logits at each draft's position and the last one,
+        drafts accepted or rejected (worker/spec_decode.py). Requests with drafts ask for no
+        logprobs and follow no grammar (the scheduler's Speculator.is_eligible)."""
+        token_idx: list[int] = []
+        groups: list[DraftRows] = []
+        row_states: list[SamplingState] = []
+        for i in sample_rows:
+            s = sched.scheduled[i]
+            k, last = len(s.spec_token_ids), int(ends[i]) - 1
+            groups.append(DraftRows(len(token_idx), s.spec_token_ids))
+            token_idx.extend(range(last - k, last + 1))
+            state = self.states[s.req_id]
+            row_states.append(state)
+            for j in range(1, k + 1):  # scored as if its first j drafts were its output
+                row_states.append(dataclasses.replace(
+                    state, output_token_ids=state.output_token_ids + s.spec_token_ids[:j]
+                ))  # fmt: skip
+        index = to_device(np.asarray(token_idx, np.int64), self.device)
+        logits = self.model.compute_logits(hidden[index])  # [num_rows, vocab]
+        if not self.is_driver:
+            return ModelRunnerOutput()
+        if self.structured_output is not None:  # rows of constrained requests, one each
+            req_ids = [sched.scheduled[i].req_id for i, g in zip(sample_rows, groups)
+                       for _ in range(len(g.draft_ids) + 1)]  # fmt: skip
+            self.structured_output.apply_bitmask(logits, req_ids)
+        out = ModelRunnerOutput()
+        for i, result in zip(sample_rows, verify(self.sampler, logits, row_states, groups)):
+            req_id = sched.scheduled[i].req_id
+            if result.error is not None:
+                out.failed_req_ids[req_id] = result.error
+                continue
+            out.sampled_token_ids[req_id] = result.token_id
+            if result.logprobs is not None:
+                out.logprobs[req_id] = result.logprobs
+            if sched.scheduled[i].spec_token_ids:
+                out.num_accepted_draft_tokens[req_id] = result.num_accepted
+        return out
+
+
+def _drafts_as_decode_rows(
+    query_lens: np.ndarray, computed: np.ndarray, rows: np.ndarray, is_verify: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return the step's sequences with each verifying request's tokens as sequences of one
+    token (position p + j sees p + j + 1 tokens), in the same flat order."""
+    reps = np.where(is_verify, query_lens, 1)
+    seq = np.repeat(np.arange(len(query_lens)), reps)
+    offsets = np.arange(len(seq)) - np.repeat(np.cumsum(reps) - reps, reps)
+    split = is_verify[seq]
+    return (
+        np.where(split, 1, query_lens[seq]),
+        computed[seq] + np.where(split, offsets, 0),
+        rows[seq],
+    )
 
 
 def _token_slice(state: SamplingState, start: int, end: int) -> list[int]:

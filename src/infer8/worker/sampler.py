@@ -168,35 +168,7 @@ class Sampler:
             if all(plain):
                 tokens = self.greedy(logits, LOGIT_LIMIT)
                 return SamplerOutput(tokens, [None] * len(states), {})
-        logits = logits.to(torch.float32, copy=True)  # [num_rows, vocab], our own copy
-        # Tokens already masked (-inf: a grammar's bitmask) stay masked whatever the penalties
-        # do to them (a repetition penalty below 1 would pull -1e20 up to about 0).
-        is_masked = None
-        if any(s.needs_penalties for s in states):
-            is_masked = torch.isneginf(logits)
-        finite_(logits)
-        errors: dict[int, str] = {}
-        raw_logprobs = None
-        if any(s.params.logprobs is not None for s in states):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = logits  # penalised in place: the raw logprobs above are a separate tensor
-        penalised = [i for i, s in enumerate(states) if s.needs_penalties]
-        if penalised:
-            stop_ids = []
-            for i in penalised:
-                p = states[i].params
-                eos_ids = [*states[i].eos_token_ids, *eos_token_ids]  # the request's, and these
-                stop_ids.append(([] if p.ignore_eos else eos_ids) + p.stop_token_ids)
-            try:
-                errors.update(apply_penalties(processed, penalised, states, stop_ids))
-            except Exception:  # noqa: BLE001 - isolate the row that fails, keep the others
-                for i, ids in zip(penalised, stop_ids):
-                    try:
-                        errors.update(apply_penalties(processed, [i], states, [ids]))
-                    except Exception as e:  # noqa: BLE001
-                        errors[i] = row_error(i, e)
-        if is_masked is not None:
-            processed.masked_fill_(is_masked, -LOGIT_LIMIT)
+        processed, errors, raw_logprobs = self._process(logits, states, eos_token_ids)
         sampled = [i for i, s in enumerate(states) if not s.params.is_greedy and i not in errors]
         # the greedy rows' argmax (a pass over the vocabulary saved when no row is greedy)
         if len(sampled) == len(states):
@@ -226,6 +198,57 @@ class Sampler:
         for i in errors:
             tokens[i] = -1
         return SamplerOutput(tokens, logprobs, errors)
+
+    def _process(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, str], torch.Tensor | None]:
+        """Return (processed logits: a float32 copy, finite, penalised and masked; failed rows;
+        raw log-probabilities where a row asks for logprobs)."""
+        logits = logits.to(torch.float32, copy=True)  # [num_rows, vocab], our own copy
+        # Tokens already masked (-inf: a grammar's bitmask) stay masked whatever the penalties
+        # do to them (a repetition penalty below 1 would pull -1e20 up to about 0).
+        is_masked = None
+        if any(s.needs_penalties for s in states):
+            is_masked = torch.isneginf(logits)
+        finite_(logits)
+        errors: dict[int, str] = {}
+        raw_logprobs = None
+        if any(s.params.logprobs is not None for s in states):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        processed = logits  # penalised in place: the raw logprobs above are a separate tensor
+        penalised = [i for i, s in enumerate(states) if s.needs_penalties]
+        if penalised:
+            stop_ids = []
+            for i in penalised:
+                p = states[i].params
+                eos_ids = [*states[i].eos_token_ids, *eos_token_ids]  # the request's, and these
+                stop_ids.append(([] if p.ignore_eos else eos_ids) + p.stop_token_ids)
+            try:
+                errors.update(apply_penalties(processed, penalised, states, stop_ids))
+            except Exception:  # noqa: BLE001 - isolate the row that fails, keep the others
+                for i, ids in zip(penalised, stop_ids):
+                    try:
+                        errors.update(apply_penalties(processed, [i], states, [ids]))
+                    except Exception as e:  # noqa: BLE001
+                        errors[i] = row_error(i, e)
+        if is_masked is not None:
+            processed.masked_fill_(is_masked, -LOGIT_LIMIT)
+        return processed, errors, raw_logprobs
+
+    def probs(
+        self, logits: torch.Tensor, states: list[SamplingState]
+    ) -> tuple[torch.Tensor, dict[int, str]]:
+        """Return the distribution each row samples from ([rows, vocab] float32: penalties,
+        temperature, top-k, top-p, min-p applied; unnormalised) and the failed rows."""
+        processed, errors, _ = self._process(logits, states)
+        params = [s.params for s in states]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                             device=processed.device)  # fmt: skip
+        scaled = finite_(processed / temps.clamp(min=_GREEDY_TEMPERATURE)[:, None])
+        return _probs(scaled, params), errors
 
     def _sample_rows(
         self,

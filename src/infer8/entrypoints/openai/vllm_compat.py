@@ -195,7 +195,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     ),
     CompatFlag("--enable-lora", "refused", "LoRA adapters are not supported", takes_value=False),
     CompatFlag("--lora-modules", "refused", "LoRA adapters are not supported"),
-    CompatFlag("--speculative-config", "refused", "speculative decoding is not implemented"),
     CompatFlag(
         "--enable-sleep-mode", "refused", "sleep mode is not implemented", takes_value=False
     ),
@@ -262,6 +261,12 @@ NATIVE_FLAGS: tuple[tuple[str, str], ...] = (
         "--kv-events-config",
         "as in vLLM: prefix-cache events over ZMQ in vLLM's schema, with replay "
         "(docs/deployment.md)",
+    ),
+    (
+        "--speculative-config",
+        "as in vLLM for the ngram method (prompt lookup; num_speculative_tokens, "
+        "prompt_lookup_min/max, disable_by_batch_size); methods that need a draft model or head "
+        "are refused by name",
     ),
     ("--disable-fastapi-docs, --disable-uvicorn-access-log, --root-path", "as in vLLM"),
     ("--ssl-keyfile, --ssl-certfile", "HTTPS, as in vLLM"),

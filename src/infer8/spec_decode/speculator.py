@@ -1,0 +1,156 @@
+"""Who drafts how many tokens this step: the proposer, each request's recent acceptance, and a
+cost model of the step time fitted from the steps the engine ran (pure Python)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from infer8.request import Request
+
+if TYPE_CHECKING:
+    from infer8.core.sched_output import SchedulerOutput
+from infer8.spec_decode.config import SpeculativeConfig
+from infer8.spec_decode.ngram import NgramProposer
+
+# A request's acceptance estimate: the share of its draft tokens accepted, averaged with this
+# weight on the newest verification; requests start at the prior.
+_ACCEPTANCE_WEIGHT = 0.3
+_PRIOR_ACCEPTANCE = 0.5
+# A request that stopped drafting drifts back to the prior this much per step, so it tries again.
+_RECOVERY_PER_STEP = 0.02
+_STEP_DECAY = 0.97  # weight of the older steps in the step-time fit
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters of one step's verifications (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Count one request's verified draft."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos += [0] * (
+                num_draft_tokens - len(self.num_accepted_tokens_per_pos)
+            )
+        for i in range(num_accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+
+class StepCostModel:
+    """Fits step time = fixed + per_token * scheduled tokens over the recent steps (weighted
+    least squares, older steps decayed)."""
+
+    def __init__(self) -> None:
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self.per_token_s = 0.0  # until steps of different sizes are seen, drafts look free
+
+    def observe(self, num_tokens: int, step_time_s: float) -> None:
+        """Add one step's size and time."""
+        d = _STEP_DECAY
+        self._w = d * self._w + 1.0
+        self._n = d * self._n + num_tokens
+        self._t = d * self._t + step_time_s
+        self._nn = d * self._nn + num_tokens * num_tokens
+        self._nt = d * self._nt + num_tokens * step_time_s
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        var = self._nn / self._w - mean_n * mean_n
+        if var >= 1.0:  # sizes vary enough to tell the slope
+            self.per_token_s = max(0.0, (self._nt / self._w - mean_n * mean_t) / var)
+
+    def step_time_s(self, num_tokens: int) -> float:
+        """Return the predicted time of a step of `num_tokens` tokens."""
+        if self._w == 0.0:
+            return 0.0
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        return max(0.0, mean_t + self.per_token_s * (num_tokens - mean_n))
+
+
+class Speculator:
+    """Owns the proposer, each request's acceptance estimate and the step cost model."""
+
+    def __init__(self, config: SpeculativeConfig, max_num_draft_tokens: int) -> None:
+        self.config = config
+        self.max_num_draft_tokens = min(config.num_speculative_tokens, max_num_draft_tokens)
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.cost = StepCostModel()
+        self._acceptance: dict[str, float] = {}
+        self.stats = SpecDecodeStats()
+
+    @staticmethod
+    def is_eligible(request: Request) -> bool:
+        """Return whether a request's outputs keep their meaning under verification here:
+        per-token logprobs and grammars are not verified over drafts (yet)."""
+        p = request.sampling_params
+        return p.logprobs is None and p.structured_outputs is None
+
+    def num_draft_tokens(self, request: Request, batch_size: int, num_step_tokens: int) -> int:
+        """Return how many drafts pay for their verification for this request this step.
+
+        Drafting i tokens costs per_token_s each for the whole batch; the i-th is accepted with
+        probability ~ acceptance^i and then saves a step's share of one token
+        (step_time / batch_size). So draft while acceptance^i * step_time / batch_size exceeds
+        per_token_s: a long batch (time per request small against a token's cost) stops on
+        its own, and so does a request whose drafts keep failing.
+        """
+        limit = self.config.disable_by_batch_size
+        if limit is not None and batch_size > limit:
+            return 0
+        room = request.max_num_tokens - request.num_tokens - 1  # the bonus token needs a place
+        k_max = min(self.max_num_draft_tokens, room)
+        if k_max < 1:
+            return 0
+        alpha = self._acceptance.get(request.request_id, _PRIOR_ACCEPTANCE)
+        share_s = self.cost.step_time_s(num_step_tokens) / max(1, batch_size)
+        k, gain = 0, 1.0
+        while k < k_max:
+            gain *= alpha
+            if gain * share_s < self.cost.per_token_s:  # (both 0 before any step: free)
+                break
+            k += 1
+        if k == 0:  # not worth it now: drift back toward the prior, to try again later
+            self._acceptance[request.request_id] = alpha + _RECOVERY_PER_STEP * (
+                _PRIOR_ACCEPTANCE - alpha
+            )
+        return k
+
+    def propose(self, request: Request, num_draft_tokens: int) -> list[int]:
+        """Return up to `num_draft_tokens` drafts for a decoding request."""
+        if num_draft_tokens < 1:
+            return []
+        return self.proposer.propose(
+            request.request_id, request.prompt_token_ids, request.output_token_ids,
+            num_draft_tokens,
+        )  # fmt: skip
+
+    def on_verified(self, req_id: str, num_draft_tokens: int, num_accepted: int) -> None:
+        """Update a request's acceptance estimate and the step's counters."""
+        self.stats.record(num_draft_tokens, num_accepted)
+        alpha = self._acceptance.get(req_id, _PRIOR_ACCEPTANCE)
+        rate = num_accepted / num_draft_tokens
+        self._acceptance[req_id] = alpha + _ACCEPTANCE_WEIGHT * (rate - alpha)
+
+    def observe_step(self, sched_out: SchedulerOutput, step_time_s: float) -> None:
+        """Fit the step-time model on a step of decodes and verifications only: a prefill
+        chunk's tokens cost less each (larger matmuls), and drafts compete with decodes."""
+        if sched_out.scheduled and all(
+            s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched_out.scheduled
+        ):
+            self.cost.observe(sched_out.total_num_scheduled_tokens, step_time_s)
+
+    def take_stats(self) -> SpecDecodeStats:
+        """Return the counters since the last call."""
+        stats, self.stats = self.stats, SpecDecodeStats()
+        return stats
+
+    def remove(self, req_id: str) -> None:
+        """Forget a request that left."""
+        self.proposer.remove(req_id)
+        self._acceptance.pop(req_id, None)
