@@ -23,6 +23,7 @@ from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
 from infer8.entrypoints.openai.server import create_app
 from infer8.utils import cdiv
+from tests.utils import build_tiny_model
 
 MODEL = "tiny-llama"
 
@@ -384,3 +385,22 @@ def test_suite_runs_every_workload_against_its_matmul_roofline(
     assert result["online_vs_offline_median"] == pytest.approx(
         (pairs[0]["ratio"] + pairs[1]["ratio"]) / 2
     )
+
+
+def test_spec_decode_bench_reports_each_method_against_none(tmp_path: Path) -> None:
+    from infer8.bench.spec_decode import format_spec_decode, run_spec_decode_bench
+
+    # the grounded chats run to ~1,200 tokens under the tiny byte-level tokenizer
+    model_dir = build_tiny_model(tmp_path / "llama", max_position_embeddings=2048)
+    r = run_spec_decode_bench(
+        _tiny_args(model_dir, kv_cache_memory_bytes=1 << 24), ("none", "ngram"), num_prompts=3, max_tokens=24, w1_requests=4,
+        use_tqdm=False,
+    )  # fmt: skip
+    none, ngram = r["rows"]
+    assert none["grounded_speedup"] == 1.0 and none["grounded"]["num_drafts"] == 0
+    assert ngram["grounded"]["num_draft_tokens"] > 0  # the grounded prompts get drafts
+    assert 0 <= ngram["grounded"]["acceptance_rate"] <= 1
+    assert ngram["num_same_outputs"] == 3  # float32: the same greedy tokens
+    assert ngram["w1_output_tok_s"] > 0 and ngram["w1_ratio"] > 0
+    table = format_spec_decode(r)
+    assert "| ngram |" in table and "3/3" in table

@@ -37,6 +37,7 @@ from infer8.entrypoints.console.snapshot import (
 from infer8.metrics import EngineMetrics
 from infer8.request import Request
 from infer8.sampling_params import SamplingParams
+from infer8.spec_decode.speculator import SpecDecodeStats
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -468,7 +469,14 @@ def test_metric_figures_read_the_server_registry() -> None:
     expected = histogram_quantile(0.5, bounds, [0, 2, 2, 2, 2, 2, 2, 4])
     assert figures["tpot_s"][0] == pytest.approx(expected)
     assert figures["prefix_cache_hit_rate"] == 0.25
+    assert figures["spec_decode_acceptance_rate"] is None  # speculation off: no card figure
     assert figures["finished"]["stop"] == 1.0
+    spec = SpecDecodeStats()
+    spec.record(5, 3)
+    spec.record(4, 0)
+    metrics.on_step(SchedulerStats(spec_decode=spec))
+    figures = metric_figures(metrics.registry)
+    assert figures["spec_decode_acceptance_rate"] == pytest.approx(3 / 9)
     # TTFT and end to end come from the recorder, over the same finished requests.
     assert "ttft_s" not in figures and "e2e_s" not in figures
 

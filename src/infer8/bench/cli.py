@@ -99,6 +99,22 @@ def add_bench_parser(sub: Any) -> None:
     _add_output_args(st)
     st.set_defaults(func=commands.cmd_suite)
 
+    sd = bsub.add_parser(
+        "spec-decode",
+        help="speculative decoding against none: input-grounded requests at concurrency 1 and "
+        "W1 at concurrency 32, one engine per method in one run",
+    )
+    add_engine_args(sd)
+    sd.add_argument(
+        "--methods", type=_csv, default=("none", "ngram"),
+        help="none, ngram (the first is the baseline the ratios divide by)",
+    )  # fmt: skip
+    sd.add_argument("--num-prompts", type=int, default=12, help="input-grounded requests")
+    sd.add_argument("--max-tokens", type=int, default=128, help="their output cap")
+    sd.add_argument("--w1-requests", type=int, default=32, help="W1's concurrency (0: skip)")
+    _add_output_args(sd)
+    sd.set_defaults(func=commands.cmd_spec_decode)
+
     sv = bsub.add_parser("serve", help="streaming load against any OpenAI-compatible server")
     sv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     sv.add_argument("--endpoint", choices=["completions", "chat"], default="completions")

@@ -67,6 +67,17 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_spec_decode(ns: argparse.Namespace) -> int:
+    from infer8.bench.spec_decode import format_spec_decode, run_spec_decode_bench
+
+    result = run_spec_decode_bench(
+        engine_args_from(ns), ns.methods, ns.num_prompts, ns.max_tokens, ns.w1_requests,
+        use_tqdm=not ns.disable_tqdm,
+    )  # fmt: skip
+    _emit(ns, result, format_spec_decode(result))
+    return 0
+
+
 def load_tokenizer(path: str | None) -> Any:
     """Load the tokenizer of an HF directory or GGUF file (None: the default model's)."""
     from infer8.engine import resolve_model_path

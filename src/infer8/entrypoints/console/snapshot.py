@@ -256,12 +256,17 @@ def metric_figures(registry: CollectorRegistry) -> dict[str, Any]:
 
     queries = values.get("vllm:prefix_cache_queries_total", 0.0)
     hits = values.get("vllm:prefix_cache_hits_total", 0.0)
+    drafted = values.get("vllm:spec_decode_num_draft_tokens_total", 0.0)
+    accepted = values.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
     return {
         "quantiles": list(QUANTILES),
         "tpot_s": quantiles("vllm:inter_token_latency_seconds"),
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else None,
+        "spec_decode_num_draft_tokens": drafted,
+        "spec_decode_num_accepted_tokens": accepted,
+        "spec_decode_acceptance_rate": accepted / drafted if drafted else None,
         "fp8_saturated": values.get("infer8:kv_cache_fp8_saturated_total", 0.0),
         "num_preemptions": values.get("vllm:num_preemptions_total", 0.0),
         "generation_tokens": values.get("vllm:generation_tokens_total", 0.0),

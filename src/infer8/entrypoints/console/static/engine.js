@@ -145,6 +145,12 @@ function onMetrics(m) {
     $("stat-prefix").textContent = (100 * m.prefix_cache_hit_rate).toFixed(0) + "%";
     $("stat-prefix-sub").textContent = infer8.formatNumber(m.prefix_cache_hits) + " of " + infer8.formatNumber(m.prefix_cache_queries) + " tokens";
   }
+  if (m.spec_decode_acceptance_rate !== null) {  // speculative decoding on, drafts verified
+    $("stat-decode-sub").textContent = "tokens/s · drafts " +
+      (100 * m.spec_decode_acceptance_rate).toFixed(0) + "% accepted";
+    $("stat-decode-sub").title = infer8.formatNumber(m.spec_decode_num_accepted_tokens) + " of " +
+      infer8.formatNumber(m.spec_decode_num_draft_tokens) + " draft tokens accepted (vllm:spec_decode_*)";
+  }
   const finished = $("finished");
   finished.replaceChildren();
   for (const [reason, count] of Object.entries(m.finished)) {
