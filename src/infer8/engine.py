@@ -161,7 +161,12 @@ class LLMEngine:
             # a step's drafts and its own token must fit in the tail's ring (W - 1 positions),
             # or a rejected draft would overwrite an accepted token's slot
             max_drafts = self.kv_spec.exact_tail_tokens - 2
-            if config.num_speculative_tokens > max_drafts:
+            if config.method == "suffix" and config.num_speculative_tokens > max_drafts:
+                logger.info(
+                    "Suffix decoding drafts at most %d tokens a step with this FP8 cache's exact "
+                    "tail of %d tokens", max_drafts, self.kv_spec.exact_tail_tokens,
+                )  # fmt: skip
+            elif config.num_speculative_tokens > max_drafts:
                 raise ValueError(
                     f"--speculative-config: num_speculative_tokens "
                     f"({config.num_speculative_tokens}) must be at most {max_drafts} with this "

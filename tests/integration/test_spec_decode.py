@@ -20,12 +20,17 @@ from infer8.config import EngineArgs
 from infer8.core.sched_output import SchedulerStats
 from infer8.engine import LLMEngine
 from infer8.entrypoints.openai.cli_args import ServerConfig
-from infer8.spec_decode.speculator import SpecDecodeStats
+from infer8.spec_decode.speculator import SpecDecodeStats, StepCostModel
 from infer8.worker import spec_decode
 from tests.utils import build_tiny_model, start_server, stop_server
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}  # fmt: skip
+SUFFIX = {"method": "suffix"}  # vLLM's defaults: up to 24 drafts (22 with the default tail)
+# long drafts whatever their odds: many accepted and many rejected tokens to roll back
+EAGER_SUFFIX = {"method": "suffix", "suffix_decoding_max_spec_factor": 4.0,
+                "suffix_decoding_min_token_prob": 0.0}  # fmt: skip
+METHODS = {"ngram": NGRAM, "suffix": SUFFIX}
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -36,6 +41,14 @@ def _prompts(n: int) -> list[list[int]]:
         filler = [30 + (11 * k + 5 * i) % 240 for i in range(5 + k % 7)]
         out.append(filler + phrase * (2 + k % 3) + filler[:3] + phrase[:2])
     return out
+
+
+@pytest.fixture(autouse=True)
+def free_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts look free to the cost model (it sees no step): every request drafts what it can,
+    whatever this machine's speed, so each run verifies many drafts (tests/unit covers the
+    model that stops them)."""
+    monkeypatch.setattr(StepCostModel, "observe", lambda *args: None)
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +88,18 @@ def _generate(
         ("fp8_e5m2", {"kv_cache_exact_tail_tokens": 8, "kv_cache_exact_sink_tokens": 0}),
     ],
 )
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_greedy_output_is_the_same_with_drafts(
-    model_dir: Path, kv_cache_dtype: str, extra: dict[str, Any]
+    model_dir: Path, kv_cache_dtype: str, extra: dict[str, Any], method: str
 ) -> None:
     prompts = _prompts(50)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    plain, *_ = _generate(model_dir, prompts, params, None, kv_cache_dtype=kv_cache_dtype, **extra)
-    spec = dict(NGRAM, num_speculative_tokens=4 if not extra else 6)
-    drafted, _, stats, _ = _generate(
-        model_dir, prompts, params, spec, kv_cache_dtype=kv_cache_dtype, **extra
-    )
+    engine = dict(extra, kv_cache_dtype=kv_cache_dtype)
+    plain, *_ = _generate(model_dir, prompts, params, None, **engine)
+    spec = dict(NGRAM if method == "ngram" else EAGER_SUFFIX)
+    if method == "ngram" and extra:
+        spec["num_speculative_tokens"] = 6  # the most a tail of 8 allows
+    drafted, _, stats, _ = _generate(model_dir, prompts, params, spec, **engine)
     # drafts made, many accepted, some rejected
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 100
     assert drafted == plain
@@ -147,9 +162,10 @@ def test_the_tail_caps_the_draft_length(model_dir: Path) -> None:
                   dict(NGRAM, num_speculative_tokens=7), **args)  # fmt: skip
 
 
-def test_server_takes_the_flag_and_counts_vllm_metrics(model_dir: Path) -> None:
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_server_takes_the_flag_and_counts_vllm_metrics(model_dir: Path, method: str) -> None:
     args = EngineArgs(model=str(model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24,
-                      speculative_config=json.dumps(NGRAM))  # fmt: skip
+                      speculative_config=json.dumps(METHODS[method]))  # fmt: skip
     running = start_server(LLMEngine(args), ServerConfig())
     try:
         prompt = _prompts(3)[2]
@@ -197,3 +213,70 @@ def test_default_model_gives_the_same_greedy_tokens_in_float32() -> None:
         counts.append(stats.num_accepted_tokens)
     assert counts[1] > 200  # the drafts were used
     assert outputs[1] == outputs[0]
+
+
+def test_prefix_hits_after_drafts_give_the_same_tokens(model_dir: Path) -> None:
+    """Blocks filled with accepted drafts are cached (only over accepted tokens): the same
+    prompts again hit them and continue as without speculation."""
+    # long enough for hits: an exact tail cuts them to multiples of 96 tokens
+    prompts = [p * 3 for p in _prompts(12)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain, *_ = _generate(model_dir, prompts, params, None, kv_cache_dtype="fp8_e4m3")
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_dtype="fp8_e4m3",
+              kv_cache_memory_bytes=1 << 24, speculative_config=json.dumps(NGRAM))  # fmt: skip
+    hits = [0]
+    llm.engine.stat_loggers.append(lambda s: hits.__setitem__(0, hits[0] + s.num_prefix_cache_hits))
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    # each prompt extended by its own output: the prefix cache holds blocks of drafted tokens
+    longer = [p + out[:24] for p, out in zip(prompts, first)]
+    again = [o.outputs[0].token_ids for o in llm.generate(longer, params, use_tqdm=False)]
+    assert first == plain
+    assert hits[0] > 0
+    plain_longer, *_ = _generate(model_dir, longer, params, None, kv_cache_dtype="fp8_e4m3")
+    assert again == plain_longer
+
+
+def test_requests_that_are_not_drafted_keep_logprobs_and_grammars(model_dir: Path) -> None:
+    from infer8.structured_output import StructuredOutputsParams
+
+    prompts = _prompts(6)
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=16, temperature=0.0,
+                       structured_outputs=StructuredOutputsParams(regex="[a-z ]{4,12}")),
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),  # drafted
+    ] * 2  # fmt: skip
+    llm_plain = LLM(model=str(model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24)
+    llm_spec = LLM(model=str(model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24,
+                   speculative_config=json.dumps(NGRAM))  # fmt: skip
+    plain = llm_plain.generate(prompts, params, use_tqdm=False)
+    drafted = llm_spec.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(plain, drafted):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+        if a.outputs[0].logprobs is not None:
+            assert b.outputs[0].logprobs is not None
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert x.keys() == y.keys()
+                assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
+def test_an_abort_mid_draft_leaves_the_others_unchanged(model_dir: Path) -> None:
+    prompts = _prompts(8)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain, *_ = _generate(model_dir, prompts, params, None, kv_cache_dtype="fp8_e4m3")
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_dtype="fp8_e4m3",
+              kv_cache_memory_bytes=1 << 24, speculative_config=json.dumps(NGRAM))  # fmt: skip
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs: dict[str, list[int]] = {}
+    for step in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+        if step == 3:  # after drafts were verified: abort every other request
+            engine.abort_request(ids[::2])
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+    for i in range(1, len(prompts), 2):
+        assert outputs[ids[i]] == plain[i]

@@ -18,6 +18,7 @@ from infer8.sampling_params import SamplingParams
 from infer8.spec_decode.config import SpeculativeConfig
 from infer8.spec_decode.ngram import NgramProposer
 from infer8.spec_decode.speculator import Speculator, StepCostModel
+from infer8.spec_decode.suffix import SuffixProposer, SuffixTrie
 from infer8.worker.penalties import SamplingState
 from infer8.worker.sampler import Sampler
 from infer8.worker.spec_decode import DraftRows, TailRingBackup, verify
@@ -38,7 +39,9 @@ def test_config_follows_vllm_defaults() -> None:
     "text, words",
     [
         ('{"method": "eagle", "model": "x"}', "needs a draft model"),
-        ('{"method": "mtp"}', "supported: ngram"),
+        ('{"method": "mtp"}', "supported: ngram, suffix"),
+        ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "in [0, 1]"),
+        ('{"method": "suffix", "suffix_decoding_max_spec_factor": 0}', "> 0"),
         ('{"model": "org/draft-model"}', "not supported"),
         ('{"method": "ngram", "lookahead": 3}', "unknown key(s) lookahead"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
@@ -59,7 +62,15 @@ def test_static_scheduler_refuses_speculation() -> None:
         args.create_speculative_config()
 
 
-# -- the proposer --------------------------------------------------------------------------
+def test_suffix_config_takes_vllms_names_and_defaults() -> None:
+    config = SpeculativeConfig.from_json('{"method": "suffix"}')
+    assert config.num_speculative_tokens == config.suffix_decoding_max_tree_depth == 24
+    assert config.suffix_decoding_max_cached_requests == 10_000
+    deep = SpeculativeConfig.from_json('{"method": "suffix", "suffix_decoding_max_tree_depth": 8}')
+    assert deep.num_speculative_tokens == 8
+
+
+# -- the proposers -------------------------------------------------------------------------
 def test_ngram_prefers_the_longest_then_the_latest_match() -> None:
     p = NgramProposer(1, 3)
     # "7 8 9" occurs once, "8 9" twice more recently: the longest suffix wins
@@ -81,6 +92,38 @@ def test_ngram_keeps_up_with_a_growing_request() -> None:
     assert p.propose("a", prompt, [9, 3, 4, 5, 6, 9], 3) == [3, 4, 5]
     p.remove("a")
     assert p.propose("a", [1, 1, 1], [], 1) == [1]
+
+
+def test_suffix_trie_counts_and_takes_back_suffixes() -> None:
+    trie = SuffixTrie(3)
+    trie.extend("a", [1, 2, 1, 2, 3])
+    node, length = trie.match([7, 1, 2])  # "1 2" seen twice, followed by 1 and by 3
+    assert length == 2 and node is not None
+    assert {t: c.count for t, c in node.children.items()} == {1: 1, 3: 1}
+    trie.extend("b", [1, 2, 3], sign=-1)  # take one sequence's suffixes back
+    node, _ = trie.match([1, 2])
+    assert node is not None and {t: c.count for t, c in node.children.items()} == {1: 1}
+    assert 3 not in trie.root.children or trie.root.children[3].count == 0
+
+
+def test_suffix_proposer_drafts_from_the_request_and_from_earlier_responses() -> None:
+    p = SuffixProposer(max_depth=8, max_cached_requests=1, max_spec_factor=2.0, min_prob=0.1)
+    prompt = [9, 1, 2, 3, 4, 5, 6, 9, 1, 2]
+    # "9 1 2" matched (3 tokens): up to 6 drafts, but the trie ends at depth 8 after "9"
+    assert p.propose("a", prompt, [], 10) == [3, 4, 5, 6, 9]
+    # a finished request's output joins the response cache: a later request that writes the
+    # same opening gets the rest of it
+    p.propose("b", [70, 71], [40, 41, 42, 43, 44, 45], 5)
+    p.remove("b")
+    assert p.propose("c", [80], [40, 41], 3) == [42, 43, 44]
+    # the cache holds one request: the next one evicts b's output
+    p.propose("d", [81], [50, 51, 52], 3)
+    p.remove("d")
+    assert p.propose("e", [82], [40, 41], 3) == []
+    # a continuation seen once in ten tries is below min_prob = 0.2
+    q = SuffixProposer(max_depth=4, max_cached_requests=0, max_spec_factor=4.0, min_prob=0.2)
+    tokens = [5, 6] * 1 + [t for k in range(10) for t in (7, 100 + k)] + [7]
+    assert q.propose("f", tokens, [], 4) == []
 
 
 # -- who drafts how much -------------------------------------------------------------------

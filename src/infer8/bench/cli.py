@@ -106,8 +106,8 @@ def add_bench_parser(sub: Any) -> None:
     )
     add_engine_args(sd)
     sd.add_argument(
-        "--methods", type=_csv, default=("none", "ngram"),
-        help="none, ngram (the first is the baseline the ratios divide by)",
+        "--methods", type=_csv, default=("none", "ngram", "suffix"),
+        help="none, ngram, suffix (the first is the baseline the ratios divide by)",
     )  # fmt: skip
     sd.add_argument("--num-prompts", type=int, default=12, help="input-grounded requests")
     sd.add_argument("--max-tokens", type=int, default=128, help="their output cap")

@@ -36,7 +36,8 @@ METHODS: dict[str, dict[str, Any] | None] = {
         "num_speculative_tokens": 5,
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
-    },  # fmt: skip
+    },
+    "suffix": {"method": "suffix"},  # vLLM's defaults (up to 24 drafts)
 }
 
 _CODE_TASKS = (
@@ -180,7 +181,7 @@ def _run_method(
 
 def run_spec_decode_bench(
     args: EngineArgs,
-    methods: tuple[str, ...] = ("none", "ngram"),
+    methods: tuple[str, ...] = ("none", "ngram", "suffix"),
     num_prompts: int = 12,
     max_tokens: int = 128,
     w1_requests: int = 32,

@@ -64,8 +64,8 @@ HELP: dict[str, str] = {
     "as they are)",
     "chat_template": "a Jinja chat template (file path or the template itself) replacing the "
     "model's",
-    "speculative_config": "speculative decoding as vLLM configures it (a JSON object): drafts "
-    "from the request's own tokens, verified in the batch, e.g. "
+    "speculative_config": "speculative decoding as vLLM configures it (a JSON object): ngram or "
+    "suffix drafts from text the request holds, verified in the batch, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}\'',
     "kv_events_config": "publish prefix-cache events over ZMQ as vLLM does, for KV-aware routers "
     "(a JSON object of vLLM's KVEventsConfig), e.g. "

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from infer8.core.sched_output import SchedulerOutput
 from infer8.spec_decode.config import SpeculativeConfig
 from infer8.spec_decode.ngram import NgramProposer
+from infer8.spec_decode.suffix import SuffixProposer
 
 # A request's acceptance estimate: the share of its draft tokens accepted, averaged with this
 # weight on the newest verification; requests start at the prior.
@@ -79,7 +80,16 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_num_draft_tokens: int) -> None:
         self.config = config
         self.max_num_draft_tokens = min(config.num_speculative_tokens, max_num_draft_tokens)
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer: NgramProposer | SuffixProposer
+        if config.method == "suffix":
+            self.proposer = SuffixProposer(
+                config.suffix_decoding_max_tree_depth,
+                config.suffix_decoding_max_cached_requests,
+                config.suffix_decoding_max_spec_factor,
+                config.suffix_decoding_min_token_prob,
+            )
+        else:
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.cost = StepCostModel()
         self._acceptance: dict[str, float] = {}
         self.stats = SpecDecodeStats()

@@ -264,9 +264,9 @@ NATIVE_FLAGS: tuple[tuple[str, str], ...] = (
     ),
     (
         "--speculative-config",
-        "as in vLLM for the ngram method (prompt lookup; num_speculative_tokens, "
-        "prompt_lookup_min/max, disable_by_batch_size); methods that need a draft model or head "
-        "are refused by name",
+        "as in vLLM for the ngram and suffix methods (num_speculative_tokens, "
+        "prompt_lookup_min/max, suffix_decoding_*, disable_by_batch_size); methods that need a "
+        "draft model or head are refused by name",
     ),
     ("--disable-fastapi-docs, --disable-uvicorn-access-log, --root-path", "as in vLLM"),
     ("--ssl-keyfile, --ssl-certfile", "HTTPS, as in vLLM"),
