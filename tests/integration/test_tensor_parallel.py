@@ -113,9 +113,11 @@ def _run(
     tp: int,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
+    speculative_config: str | None = None,
 ) -> Run:
     kwargs = _engine_kwargs(num_kv_heads, tp, kv_cache_dtype)
-    llm = LLM(str(model_dir), quantization=quantization, **kwargs)
+    llm = LLM(str(model_dir), quantization=quantization, speculative_config=speculative_config,
+              **kwargs)  # fmt: skip
     engine = llm.engine
     try:
         assert engine.num_blocks == NUM_BLOCKS
@@ -168,6 +170,22 @@ def test_tp2_fp8_cache_matches_tp1_fp8_cache(model_dirs: dict[str, Path]) -> Non
     # Each rank quantizes its own KV heads with its own per-token scales: the same values.
     err = max((a - b).abs().max().item() for a, b in zip(split.logits, single.logits))
     assert err < 1e-3
+
+
+@pytest.mark.slow
+def test_tp2_with_drafts_gives_tp1s_tokens(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drafts verified on rank 0, rejected ones taken out of every rank's tail ring."""
+    from infer8.spec_decode.speculator import StepCostModel
+
+    monkeypatch.setattr(StepCostModel, "observe", lambda *args: None)  # drafts always
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    single = _run(model_dirs["qwen2-4kv"], 4, tp=1, kv_cache_dtype="fp8_e4m3")
+    split = _run(model_dirs["qwen2-4kv"], 4, tp=2, kv_cache_dtype="fp8_e4m3",
+                 speculative_config=spec)  # fmt: skip
+    assert split.token_ids == single.token_ids
+    assert len(split.logits) < len(single.logits)  # fewer steps: drafts were accepted
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ from infer8.sampling_params import SamplingParams
 from infer8.spec_decode.config import SpeculativeConfig
 from infer8.spec_decode.ngram import NgramProposer
 from infer8.spec_decode.speculator import Speculator, StepCostModel
-from infer8.spec_decode.suffix import SuffixProposer, SuffixTrie
+from infer8.spec_decode.suffix import SuffixProposer, _chain
 from infer8.worker.penalties import SamplingState
 from infer8.worker.sampler import Sampler
 from infer8.worker.spec_decode import DraftRows, TailRingBackup, verify
@@ -94,22 +95,22 @@ def test_ngram_keeps_up_with_a_growing_request() -> None:
     assert p.propose("a", [1, 1, 1], [], 1) == [1]
 
 
-def test_suffix_trie_counts_and_takes_back_suffixes() -> None:
-    trie = SuffixTrie(3)
-    trie.extend("a", [1, 2, 1, 2, 3])
-    node, length = trie.match([7, 1, 2])  # "1 2" seen twice, followed by 1 and by 3
-    assert length == 2 and node is not None
-    assert {t: c.count for t, c in node.children.items()} == {1: 1, 3: 1}
-    trie.extend("b", [1, 2, 3], sign=-1)  # take one sequence's suffixes back
-    node, _ = trie.match([1, 2])
-    assert node is not None and {t: c.count for t, c in node.children.items()} == {1: 1}
-    assert 3 not in trie.root.children or trie.root.children[3].count == 0
+def test_suffix_chain_follows_the_most_frequent_continuation() -> None:
+    tokens = np.array([1, 2, 5, 6, 1, 2, 5, 7, 1, 2, 8, 1, 2])
+    ends = np.array([1, 5, 9])  # "1 2" occurred three times before the last
+    # 5 follows two of three (p 2/3), then 6 and 7 split the two (p 1/3 each)
+    assert _chain(tokens, ends, 4, 0.5) == ([5], pytest.approx(2 / 3))
+    chain, expected = _chain(tokens, ends, 2, 0.3)
+    assert chain == [5, 6] and expected == pytest.approx(2 / 3 + 1 / 3)
+    # a continuation never crosses a separator (-1: the end of a cached response)
+    assert _chain(np.array([3, 4, -1, 9]), np.array([0]), 4, 0.0)[0] == [4]
 
 
 def test_suffix_proposer_drafts_from_the_request_and_from_earlier_responses() -> None:
     p = SuffixProposer(max_depth=8, max_cached_requests=1, max_spec_factor=2.0, min_prob=0.1)
     prompt = [9, 1, 2, 3, 4, 5, 6, 9, 1, 2]
-    # "9 1 2" matched (3 tokens): up to 6 drafts, but the trie ends at depth 8 after "9"
+    # "9 1 2" matched (3 tokens) drafts up to 5 (depth 8 - 3): "3 4 5 6 9"; "1 2" (2 tokens)
+    # up to 4 (2 x 2); the longer chain wins
     assert p.propose("a", prompt, [], 10) == [3, 4, 5, 6, 9]
     # a finished request's output joins the response cache: a later request that writes the
     # same opening gets the rest of it
@@ -340,3 +341,17 @@ def test_json_of_the_config_round_trips() -> None:
         json.dumps({"method": "ngram", "num_speculative_tokens": 3})
     )
     assert config.num_speculative_tokens == 3
+
+
+def test_the_response_cache_overwrites_its_oldest_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    from infer8.spec_decode import suffix
+
+    monkeypatch.setattr(suffix, "CACHE_TOKENS", 16)
+    p = SuffixProposer(max_depth=8, max_cached_requests=100, max_spec_factor=4.0, min_prob=0.1)
+    for k in range(5):  # responses of 5 tokens + a separator: two fit before the end
+        p.propose(f"r{k}", [0], [10 * k + i for i in range(1, 6)], 0)
+        p.remove(f"r{k}")
+    assert list(p._cached) == [(6, 5), (0, 5)] and p._head == 6  # r3 at 6, then r4 at 0
+    assert p.propose("x", [99], [41, 42], 3) == [43, 44, 45]  # r4 is there
+    assert p.propose("y", [99], [31, 32], 3) == [33, 34, 35]  # r3 too
+    assert p.propose("z", [99], [21, 22], 3) == []  # r2 was overwritten

@@ -1,112 +1,63 @@
-"""Suffix decoding: drafts from suffix tries over each request's own tokens and over a bounded
-cache of earlier responses, as long as the continuation seen there stays likely (vLLM's suffix
-method, after Arctic Inference's SuffixDecoding; one chain per step, not a tree)."""
+"""Suffix decoding: drafts from what followed the latest tokens' earlier occurrences, in the
+request's own tokens and in a bounded cache of earlier responses, as long as that continuation
+stays likely (vLLM's suffix method and options, after Arctic Inference's SuffixDecoding; one
+chain per step, not a tree).
+
+A suffix tree answers "where did these tokens occur before, and what followed, how often" by
+walking nodes; here the same counts come from numpy searches over token arrays (memory: the
+tokens themselves, not a node per suffix and depth): the occurrences of the context's last
+token, how far back each matches the context (up to max_depth tokens), and, for the matches
+of a length, the continuation tokens counted step by step.
+"""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections import deque
+
+import numpy as np
+
+from infer8.spec_decode.ngram import TokenBuffers, match_lengths
+
+# The response cache: the outputs of the last max_cached_requests finished requests, at most
+# this many tokens (the oldest overwritten first): recent conversations are what repeat, and a
+# bounded array keeps each search at tens of microseconds.
+CACHE_TOKENS = 1 << 16
+_SEPARATOR = -1
 
 
-@dataclass
-class _Node:
-    count: int = 0  # how many inserted suffixes pass through this node
-    children: dict[int, _Node] = field(default_factory=dict)
-
-
-class SuffixTrie:
-    """Every suffix (up to `max_depth` tokens) of the sequences added, with counts.
-
-    A sequence grows one token at a time: the nodes of its suffixes that end at its last token
-    are kept (`_active`), so appending a token extends each by one child (O(depth) a token).
-    """
-
-    def __init__(self, max_depth: int) -> None:
-        self.max_depth = max_depth
-        self.root = _Node()
-        self._active: dict[object, list[_Node]] = {}
-
-    def extend(self, seq_id: object, token_ids: list[int], sign: int = 1) -> None:
-        """Add (sign 1) or take back (sign -1) the suffixes ending at each of these tokens,
-        as the continuation of sequence `seq_id`."""
-        active = self._active.get(seq_id, [])
-        for token in token_ids:
-            grown = []
-            for node in [self.root, *active[: self.max_depth - 1]]:
-                child = node.children.get(token)
-                if child is None:
-                    child = node.children[token] = _Node()
-                child.count += sign
-                if child.count == 0:
-                    del node.children[token]
-                else:
-                    grown.append(child)
-            active = grown
-        self._active[seq_id] = active
-
-    def end(self, seq_id: object) -> None:
-        """Stop growing a sequence (its suffixes stay)."""
-        self._active.pop(seq_id, None)
-
-    def match(self, context: list[int]) -> tuple[_Node | None, int]:
-        """Return the node of the longest suffix of `context` in the trie that has a
-        continuation, and its length (None, 0 if none has).
-
-        The trie holds every suffix of what it holds, so if a suffix of `context` is a path,
-        so is each shorter one: the longest path is found by bisection.
-        """
-        lo, hi = 0, min(self.max_depth, len(context))  # a path of lo tokens exists
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._walk(context[len(context) - mid :]) is None:
-                hi = mid - 1
-            else:
-                lo = mid
-        for n in range(lo, 0, -1):
-            node = self._walk(context[len(context) - n :])
-            if node is not None and node.children:
-                return node, n
-        return None, 0
-
-    def match_own(self, seq_id: object) -> tuple[_Node | None, int]:
-        """Return match() of a growing sequence's own tokens in its trie, from the nodes of its
-        latest suffixes (no walk): the longest with a continuation seen earlier."""
-        active = self._active.get(seq_id, [])
-        for depth in range(len(active), 0, -1):
-            if active[depth - 1].children:
-                return active[depth - 1], depth
-        return None, 0
-
-    def _walk(self, token_ids: list[int]) -> _Node | None:
-        node: _Node | None = self.root
-        for token in token_ids:
-            node = node.children.get(token)
-            if node is None:
-                return None
-        return node
-
-
-def _chain(node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
-    """Follow the most frequent continuation from `node` while its estimated probability (the
-    product of child count / siblings' total) stays >= min_prob; return it and its expected
-    number of accepted tokens (the sum of the prefix probabilities)."""
-    tokens: list[int] = []
+def _chain(
+    tokens: np.ndarray, ends: np.ndarray, max_tokens: int, min_prob: float
+) -> tuple[list[int], float]:
+    """Follow the most frequent continuation after the match ends `ends` (positions in
+    `tokens` of each occurrence's last matched token) while its estimated probability (the
+    share of the occurrences still agreeing) stays >= min_prob; return it and its expected
+    accepted length (the sum of the prefix probabilities)."""
+    out: list[int] = []
     prob, expected = 1.0, 0.0
-    while len(tokens) < max_tokens and node.children:
-        total = sum(c.count for c in node.children.values())
-        token, child = max(node.children.items(), key=lambda item: item[1].count)
-        prob *= child.count / total
+    n = len(tokens)
+    while len(out) < max_tokens:
+        nxt = ends + 1
+        nxt = nxt[nxt < n]
+        if len(nxt) == 0:
+            break
+        following = tokens[nxt]
+        nxt, following = nxt[following != _SEPARATOR], following[following != _SEPARATOR]
+        if len(following) == 0:
+            break
+        values, counts = np.unique(following, return_counts=True)
+        best = int(counts.argmax())
+        prob *= counts[best] / len(ends)
         if prob < min_prob:
             break
-        tokens.append(token)
+        out.append(int(values[best]))
         expected += prob
-        node = child
-    return tokens, expected
+        ends = nxt[following == values[best]]
+    return out, expected
 
 
 class SuffixProposer:
-    """Owns a trie per running request (its prompt and output) and one over the outputs of
-    the last `max_cached_requests` finished requests; proposes from whichever promises more."""
+    """Owns each running request's tokens (as arrays) and the response cache; proposes from
+    whichever of the two promises the longer accepted draft."""
 
     def __init__(
         self, max_depth: int, max_cached_requests: int, max_spec_factor: float, min_prob: float
@@ -114,53 +65,80 @@ class SuffixProposer:
         self.max_depth = max_depth
         self.max_spec_factor, self.min_prob = max_spec_factor, min_prob
         self.max_cached_requests = max_cached_requests
-        self._requests: dict[str, tuple[SuffixTrie, int]] = {}  # trie, tokens added
-        self._outputs: dict[str, tuple[int, list[int]]] = {}  # output tokens seen, per request
-        self.responses = SuffixTrie(max_depth)  # earlier requests' outputs
-        self._cached: OrderedDict[int, list[int]] = OrderedDict()  # oldest first
-        self._num_cached = 0  # keys of the cache's entries (request ids may come back)
+        self.buffers = TokenBuffers()
+        self._outputs: dict[str, list[int]] = {}  # running requests' output lists
+        self.cache = np.full(CACHE_TOKENS, _SEPARATOR, np.int64)
+        self._head = 0  # where the next response is written
+        self._cached: deque[tuple[int, int]] = deque()  # (start, length), oldest first
 
     def propose(
         self, req_id: str, prompt_ids: list[int], output_ids: list[int], max_num_tokens: int
     ) -> list[int]:
         """Return up to `max_num_tokens` drafts after the request's tokens (maybe none)."""
-        trie, num_added = self._requests.get(req_id, (None, 0))
-        if trie is None:
-            trie = SuffixTrie(self.max_depth)
-        total = len(prompt_ids) + len(output_ids)
-        if num_added < len(prompt_ids):
-            trie.extend(req_id, prompt_ids[num_added:])
-            num_added = len(prompt_ids)
-        if num_added < total:
-            trie.extend(req_id, output_ids[num_added - len(prompt_ids) :])
-        self._requests[req_id] = (trie, total)
-        self._outputs[req_id] = (len(prompt_ids), output_ids)
-        if max_num_tokens < 1:
+        tokens = self.buffers.sync(req_id, prompt_ids, output_ids)
+        self._outputs[req_id] = output_ids
+        if max_num_tokens < 1 or len(tokens) < 2:
             return []
-        recent = output_ids if len(output_ids) >= self.max_depth else prompt_ids + output_ids
-        context = recent[-self.max_depth :]
+        context = tokens[-self.max_depth :]
         best: tuple[list[int], float] = ([], 0.0)
-        for node, length in (trie.match_own(req_id), self.responses.match(context)):
-            if node is None:
-                continue
-            limit = min(max_num_tokens, max(1, int(self.max_spec_factor * length)))
-            tokens, expected = _chain(node, limit, self.min_prob)
-            if expected > best[1]:
-                best = (tokens, expected)
+        for source in (tokens, self.cache):
+            best = max(best, self._best_chain(source, context, max_num_tokens, best[1]),
+                       key=lambda b: b[1])  # fmt: skip
         return best[0]
 
+    def _best_chain(
+        self, source: np.ndarray, context: np.ndarray, max_num_tokens: int, to_beat: float
+    ) -> tuple[list[int], float]:
+        """Return the best chain over every match length found in `source`.
+
+        A longer match is surer but leaves less of max_depth to draft (match + draft <=
+        max_depth, as in vLLM's trees), so each length is a candidate, tried in order of the
+        most it could draft until that is no better than the best so far.
+        """
+        ends, lengths = match_lengths(source, context, self.max_depth)
+        if len(ends) == 0:
+            return [], 0.0
+
+        def most(length: int) -> int:
+            factor_cap = max(1, int(self.max_spec_factor * length))
+            return min(max_num_tokens, factor_cap, self.max_depth - length)
+
+        best: tuple[list[int], float] = ([], to_beat)
+        for length in sorted({int(x) for x in lengths if x > 0}, key=lambda n: (most(n), n),
+                             reverse=True):  # fmt: skip
+            if most(length) <= best[1]:
+                break
+            tokens, expected = _chain(source, ends[lengths >= length], most(length), self.min_prob)
+            if expected > best[1]:
+                best = (tokens, expected)
+        return best if best[0] else ([], 0.0)
+
     def remove(self, req_id: str) -> None:
-        """Forget a request that left; its output joins the response cache (oldest evicted)."""
-        self._requests.pop(req_id, None)
-        _, output_ids = self._outputs.pop(req_id, (0, []))
-        if not output_ids or self.max_cached_requests < 1:
+        """Forget a request that left; its output joins the response cache."""
+        self.buffers.remove(req_id)
+        output = self._outputs.pop(req_id, [])
+        if not output or self.max_cached_requests < 1:
             return
-        key = self._num_cached = self._num_cached + 1
-        output = list(output_ids)
-        self.responses.extend(key, output)
-        self.responses.end(key)
-        self._cached[key] = output
+        output = output[-(CACHE_TOKENS - 1) :]
+        n = len(output)
+        if self._head + n + 1 > CACHE_TOKENS:  # no room before the end: start over at 0
+            self.cache[self._head :] = _SEPARATOR
+            while self._cached and self._cached[0][0] >= self._head:  # the previous lap's
+                self._cached.popleft()
+            self._head = 0
+        start = self._head
+        self.cache[start : start + n] = output
+        self.cache[start + n] = _SEPARATOR
+        self._head = start + n + 1
+        # what was overwritten is gone; and at most max_cached_requests are kept
+        while self._cached and _overlaps(self._cached[0], start, n + 1):
+            self._cached.popleft()
+        self._cached.append((start, n))
         while len(self._cached) > self.max_cached_requests:
-            old_key, old = self._cached.popitem(last=False)
-            self.responses.extend(-old_key, old, sign=-1)  # the same walk, counted down
-            self.responses.end(-old_key)
+            old_start, old_n = self._cached.popleft()
+            self.cache[old_start : old_start + old_n] = _SEPARATOR
+
+
+def _overlaps(span: tuple[int, int], start: int, n: int) -> bool:
+    """Return whether a cached response (start, length) lies in [start, start + n)."""
+    return span[0] < start + n and start < span[0] + span[1]
