@@ -104,7 +104,8 @@ class SuffixProposer:
             return min(max_num_tokens, factor_cap, self.max_depth - length)
 
         best: tuple[list[int], float] = ([], to_beat)
-        for length in sorted({int(x) for x in lengths if x > 0}, key=lambda n: (most(n), n),
+        # an occurrence matching n tokens matches every shorter length too
+        for length in sorted(range(1, int(lengths.max()) + 1), key=lambda n: (most(n), n),
                              reverse=True):  # fmt: skip
             if most(length) <= best[1]:
                 break
