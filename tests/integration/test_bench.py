@@ -404,3 +404,18 @@ def test_spec_decode_bench_reports_each_method_against_none(tmp_path: Path) -> N
     assert ngram["w1_output_tok_s"] > 0 and ngram["w1_ratio"] > 0
     table = format_spec_decode(r)
     assert "| ngram |" in table and "3/3" in table
+
+
+def test_grounded_requests_are_chat_template_text_any_server_tokenizes_alike(
+    llama_dir: Path,
+) -> None:
+    from infer8.bench.spec_decode import grounded_conversations, grounded_requests
+    from infer8.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(llama_dir)
+    requests = grounded_requests(tokenizer, 4, 64)
+    assert len(requests) == 4 and all(r.output_len == 64 for r in requests)
+    for r, conv in zip(requests, grounded_conversations(4)):
+        assert r.prompt_token_ids == tokenizer.encode_chat(conv)
+        assert conv[-1]["content"][:40] in r.prompt  # the task's text, in the template
+    assert any("```python" in r.prompt for r in requests)  # code to copy

@@ -91,7 +91,7 @@ def test_ngram_keeps_up_with_a_growing_request() -> None:
     assert p.propose("a", prompt, [], 2) == []
     assert p.propose("a", prompt, [9, 3, 4], 2) == [5, 6]
     assert p.propose("a", prompt, [9, 3, 4, 5, 6, 9], 3) == [3, 4, 5]
-    p.remove("a")
+    p.remove("a", [9, 3, 4, 5, 6, 9])
     assert p.propose("a", [1, 1, 1], [], 1) == [1]
 
 
@@ -114,12 +114,10 @@ def test_suffix_proposer_drafts_from_the_request_and_from_earlier_responses() ->
     assert p.propose("a", prompt, [], 10) == [3, 4, 5, 6, 9]
     # a finished request's output joins the response cache: a later request that writes the
     # same opening gets the rest of it
-    p.propose("b", [70, 71], [40, 41, 42, 43, 44, 45], 5)
-    p.remove("b")
+    p.remove("b", [40, 41, 42, 43, 44, 45])  # (it never needed a draft)
     assert p.propose("c", [80], [40, 41], 3) == [42, 43, 44]
     # the cache holds one request: the next one evicts b's output
-    p.propose("d", [81], [50, 51, 52], 3)
-    p.remove("d")
+    p.remove("d", [50, 51, 52])
     assert p.propose("e", [82], [40, 41], 3) == []
     # a continuation seen once in ten tries is below min_prob = 0.2
     q = SuffixProposer(max_depth=4, max_cached_requests=0, max_spec_factor=4.0, min_prob=0.2)
@@ -165,6 +163,30 @@ def test_drafting_stops_where_it_does_not_pay() -> None:
     assert spec.num_draft_tokens(short, batch_size=1, num_step_tokens=1) == 2
     limited = Speculator(SpeculativeConfig(disable_by_batch_size=4), 5)
     assert limited.num_draft_tokens(req, batch_size=5, num_step_tokens=5) == 0
+
+
+def test_a_request_without_drafts_is_asked_again_less_and_less_often() -> None:
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3), 3)
+    calls: list[int] = []
+    answers = iter([[]] * 5 + [[7]] + [[]] * 30)
+
+    class Counting:
+        def propose(self, req_id: str, prompt: list[int], output: list[int], k: int) -> list[int]:
+            calls.append(len(output))
+            return next(answers)
+
+        def remove(self, req_id: str, output_ids: list[int]) -> None: ...
+
+    spec.proposer = Counting()  # type: ignore[assignment]
+    req = _request("a", [1, 2, 3])
+    drafts = []
+    for step in range(40):
+        req.output_token_ids.append(step)
+        drafts.append(spec.propose(req, 3))
+    # asked at steps 0, 2, 5, 10, 19 (waits of 1, 2, 4, 8), found a draft at 36 (16), then
+    # asked again at the next step
+    assert calls[:6] == [1, 3, 6, 11, 20, 37] and calls[6] == 38
+    assert drafts[36] == [7]
 
 
 # -- the scheduler's side ------------------------------------------------------------------
@@ -349,8 +371,7 @@ def test_the_response_cache_overwrites_its_oldest_tokens(monkeypatch: pytest.Mon
     monkeypatch.setattr(suffix, "CACHE_TOKENS", 16)
     p = SuffixProposer(max_depth=8, max_cached_requests=100, max_spec_factor=4.0, min_prob=0.1)
     for k in range(5):  # responses of 5 tokens + a separator: two fit before the end
-        p.propose(f"r{k}", [0], [10 * k + i for i in range(1, 6)], 0)
-        p.remove(f"r{k}")
+        p.remove(f"r{k}", [10 * k + i for i in range(1, 6)])
     assert list(p._cached) == [(6, 5), (0, 5)] and p._head == 6  # r3 at 6, then r4 at 0
     assert p.propose("x", [99], [41, 42], 3) == [43, 44, 45]  # r4 is there
     assert p.propose("y", [99], [31, 32], 3) == [33, 34, 35]  # r3 too

@@ -170,6 +170,15 @@ def add_bench_parser(sub: Any) -> None:
         default={},
         help="JSON object merged into every request body",
     )
+    sv.add_argument(
+        "--dataset-name",
+        choices=["random", "grounded"],
+        default="random",
+        help="random: prompts cut from public-domain text at --input-len; grounded: chats whose "
+        "answers copy much of the prompt (rewrite, annotate or fix a given code block or "
+        "paragraph: speculative decoding's workload), sent as completions of the chat template's "
+        "text, --output-len the cap",
+    )
     sv.add_argument("--timeout-s", type=float, default=600.0)
     sv.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts and arrivals")
     slo = sv.add_argument_group(

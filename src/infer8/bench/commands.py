@@ -119,7 +119,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(ns.tokenizer)
     if ns.sessions_slo:
         return _sessions_at_slo(ns, config, tokenizer)
-    requests = make_requests(tokenizer, ns.num_requests, ns.input_len, ns.output_len, ns.seed)
+    if ns.dataset_name == "grounded":
+        from infer8.bench.spec_decode import grounded_requests
+
+        requests = grounded_requests(tokenizer, ns.num_requests, ns.output_len.max_len)
+    else:
+        requests = make_requests(tokenizer, ns.num_requests, ns.input_len, ns.output_len, ns.seed)
     result = run_serve(config, requests, tokenizer, use_tqdm=not ns.disable_tqdm)
     result["input_len"], result["output_len"] = ns.input_len.describe(), ns.output_len.describe()
     _emit(ns, result, format_serve(result))

@@ -90,6 +90,16 @@ def grounded_conversations(num: int) -> list[list[dict[str, str]]]:
     return convs
 
 
+def grounded_requests(tokenizer: Any, num: int, max_tokens: int) -> list[BenchRequest]:
+    """Return the grounded chats as completion requests: the chat template's text (so any
+    server tokenizes it as a completion) and its token ids."""
+    out = []
+    for conv in grounded_conversations(num):
+        text = tokenizer.apply_chat_template(conv)
+        out.append(BenchRequest(tokenizer.encode(text, add_special_tokens=False), text, max_tokens))
+    return out
+
+
 def _spec_totals(stats: list[SchedulerStats]) -> dict[str, float]:
     """Return the drafts, draft tokens and accepted tokens in these steps, and their rates."""
     drafts = sum(s.spec_decode.num_drafts for s in stats if s.spec_decode)

@@ -81,7 +81,7 @@ class SchedulerBase:
         self.kv_cache_manager.free(request.request_id)
         self._num_blocks_sent.pop(request.request_id, None)
         if self.speculator is not None:
-            self.speculator.remove(request.request_id)
+            self.speculator.remove(request)
         del self.requests[request.request_id]
         self._stats.finished_req_ids.append(request.request_id)
         if request.request_id in self._seen_by_runner:

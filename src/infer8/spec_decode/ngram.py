@@ -80,6 +80,6 @@ class NgramProposer:
         end = int(ends[best])
         return tokens[end + 1 : end + 1 + max_num_tokens].tolist()
 
-    def remove(self, req_id: str) -> None:
+    def remove(self, req_id: str, output_ids: list[int]) -> None:
         """Forget a request that left."""
         self.buffers.remove(req_id)

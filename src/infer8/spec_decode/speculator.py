@@ -21,6 +21,7 @@ _PRIOR_ACCEPTANCE = 0.5
 # A request that stopped drafting drifts back to the prior this much per step, so it tries again.
 _RECOVERY_PER_STEP = 0.02
 _STEP_DECAY = 0.97  # weight of the older steps in the step-time fit
+_MAX_BACKOFF_STEPS = 16
 
 
 @dataclass
@@ -92,6 +93,7 @@ class Speculator:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.cost = StepCostModel()
         self._acceptance: dict[str, float] = {}
+        self._backoff: dict[str, tuple[int, int]] = {}  # req_id -> (steps to skip, last wait)
         self.stats = SpecDecodeStats()
 
     @staticmethod
@@ -132,13 +134,27 @@ class Speculator:
         return k
 
     def propose(self, request: Request, num_draft_tokens: int) -> list[int]:
-        """Return up to `num_draft_tokens` drafts for a decoding request."""
+        """Return up to `num_draft_tokens` drafts for a decoding request.
+
+        A request whose text gave no draft is asked again after 1, 2, 4, ... steps (up to
+        _MAX_BACKOFF_STEPS), so one without anything to copy costs no search every step.
+        """
         if num_draft_tokens < 1:
             return []
-        return self.proposer.propose(
-            request.request_id, request.prompt_token_ids, request.output_token_ids,
-            num_draft_tokens,
-        )  # fmt: skip
+        req_id = request.request_id
+        skip, wait = self._backoff.get(req_id, (0, 0))
+        if skip > 0:
+            self._backoff[req_id] = (skip - 1, wait)
+            return []
+        drafts = self.proposer.propose(
+            req_id, request.prompt_token_ids, request.output_token_ids, num_draft_tokens
+        )
+        if drafts:
+            self._backoff.pop(req_id, None)
+        else:
+            wait = min(_MAX_BACKOFF_STEPS, max(1, 2 * wait))
+            self._backoff[req_id] = (wait, wait)
+        return drafts
 
     def on_verified(self, req_id: str, num_draft_tokens: int, num_accepted: int) -> None:
         """Update a request's acceptance estimate and the step's counters."""
@@ -160,7 +176,8 @@ class Speculator:
         stats, self.stats = self.stats, SpecDecodeStats()
         return stats
 
-    def remove(self, req_id: str) -> None:
-        """Forget a request that left."""
-        self.proposer.remove(req_id)
-        self._acceptance.pop(req_id, None)
+    def remove(self, request: Request) -> None:
+        """Forget a request that left (its output may join the proposer's response cache)."""
+        self.proposer.remove(request.request_id, request.output_token_ids)
+        self._acceptance.pop(request.request_id, None)
+        self._backoff.pop(request.request_id, None)

@@ -23,6 +23,7 @@ from infer8.spec_decode.ngram import TokenBuffers, match_lengths
 # bounded array keeps each search at tens of microseconds.
 CACHE_TOKENS = 1 << 16
 _SEPARATOR = -1
+_MAX_CANDIDATES = 4
 
 
 def _chain(
@@ -66,7 +67,6 @@ class SuffixProposer:
         self.max_spec_factor, self.min_prob = max_spec_factor, min_prob
         self.max_cached_requests = max_cached_requests
         self.buffers = TokenBuffers()
-        self._outputs: dict[str, list[int]] = {}  # running requests' output lists
         self.cache = np.full(CACHE_TOKENS, _SEPARATOR, np.int64)
         self._head = 0  # where the next response is written
         self._cached: deque[tuple[int, int]] = deque()  # (start, length), oldest first
@@ -76,7 +76,6 @@ class SuffixProposer:
     ) -> list[int]:
         """Return up to `max_num_tokens` drafts after the request's tokens (maybe none)."""
         tokens = self.buffers.sync(req_id, prompt_ids, output_ids)
-        self._outputs[req_id] = output_ids
         if max_num_tokens < 1 or len(tokens) < 2:
             return []
         context = tokens[-self.max_depth :]
@@ -104,9 +103,10 @@ class SuffixProposer:
             return min(max_num_tokens, factor_cap, self.max_depth - length)
 
         best: tuple[list[int], float] = ([], to_beat)
-        # an occurrence matching n tokens matches every shorter length too
-        for length in sorted(range(1, int(lengths.max()) + 1), key=lambda n: (most(n), n),
-                             reverse=True):  # fmt: skip
+        # an occurrence matching n tokens matches every shorter length too; the few that could
+        # draft the most are tried (each is a handful of array passes)
+        order = sorted(range(1, int(lengths.max()) + 1), key=lambda n: (most(n), n), reverse=True)
+        for length in order[:_MAX_CANDIDATES]:
             if most(length) <= best[1]:
                 break
             tokens, expected = _chain(source, ends[lengths >= length], most(length), self.min_prob)
@@ -114,10 +114,10 @@ class SuffixProposer:
                 best = (tokens, expected)
         return best if best[0] else ([], 0.0)
 
-    def remove(self, req_id: str) -> None:
+    def remove(self, req_id: str, output_ids: list[int]) -> None:
         """Forget a request that left; its output joins the response cache."""
         self.buffers.remove(req_id)
-        output = self._outputs.pop(req_id, [])
+        output = output_ids
         if not output or self.max_cached_requests < 1:
             return
         output = output[-(CACHE_TOKENS - 1) :]
