@@ -136,8 +136,29 @@ def test_cost_model_fits_the_per_token_time() -> None:
     cost = StepCostModel()
     for n in (1, 6, 1, 6, 32, 1, 64, 6):
         cost.observe(n, 0.010 + 0.0005 * n)
-    assert cost.per_token_s == pytest.approx(0.0005, rel=1e-6)
-    assert cost.step_time_s(100) == pytest.approx(0.060, rel=1e-6)
+    assert cost.per_token_s == pytest.approx(0.0005, rel=1e-4)
+    assert cost.step_time_s(100) == pytest.approx(0.060, rel=1e-4)
+    assert cost.verify_jump_s == pytest.approx(0.0, abs=1e-6)  # no step verified yet
+    # steps that verify pay 20 ms more as a whole (rows off the fused decode kernel)
+    for n, verifies in ((32, False), (40, True), (32, False), (52, True), (36, True)):
+        cost.observe(n, 0.010 + 0.0005 * n + 0.020 * verifies, verifies)
+    assert cost.verify_jump_s == pytest.approx(0.020, rel=1e-3)
+    assert cost.per_token_s == pytest.approx(0.0005, rel=1e-3)
+
+
+def test_a_step_drafts_only_where_the_drafts_pay_for_the_jump_too() -> None:
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2), 4)
+    for n, verifies in ((1, False), (5, True), (32, False), (36, True), (1, False), (64, False)):
+        spec.cost.observe(n, 0.010 + 0.0005 * n + 0.005 * verifies, verifies)
+    # one request with something to copy among 32: its drafts could save ~0.8 ms (a share of
+    # 26 ms / 32 each at the prior acceptance of 0.5), but cost 2 ms and the jump 5: nobody
+    # drafts
+    copying = _request("a", [5, 6, 7, 8, 5, 6, 7])
+    assert spec.plan_step([copying], batch_size=32) == {}
+    # alone, its 4 drafts save ~9.8 ms of a 10.5 ms step: more than the jump and their tokens
+    assert spec.plan_step([_request("b", [5, 6, 7, 8, 5, 6, 7])], batch_size=1) == {
+        "b": [8, 5, 6, 7]
+    }
 
 
 def test_drafting_stops_where_it_does_not_pay() -> None:

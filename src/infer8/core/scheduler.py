@@ -220,12 +220,14 @@ class Scheduler(SchedulerBase):
         preempted = False
 
         # Running requests: decodes and the rest of chunked prefills, never stalled by admissions.
+        plans = self._plan_drafts()
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
             assert num_new > 0
-            drafts = self._drafts(request, num_new, token_budget)
+            # drafts within the budget (a decoding request's one token comes first)
+            drafts = plans.get(request.request_id, [])[: max(0, token_budget - num_new)]
             end = request.num_computed_tokens + num_new
             if drafts and self.kv_cache_manager.allocate_slots(request, end + len(drafts)) is None:
                 drafts = []  # no blocks for them: a plain decode
@@ -287,18 +289,19 @@ class Scheduler(SchedulerBase):
         self._stats.num_scheduled_tokens = out.total_num_scheduled_tokens
         return out
 
-    def _drafts(self, request: Request, num_new: int, token_budget: int) -> list[int]:
-        """Return the drafts a running request verifies this step (none unless it decodes)."""
+    def _plan_drafts(self) -> dict[str, list[int]]:
+        """Return this step's drafts of the decoding running requests (req_id -> drafts)."""
         spec = self.speculator
-        decoding = num_new == 1 and request.num_tokens - request.num_computed_tokens == 1
-        if spec is None or not decoding or not spec.is_eligible(request):
-            return []
+        if spec is None:
+            return {}
         tail = self.kv_cache_manager.tail
-        if tail is not None and request.num_computed_tokens < tail.sink_tokens:
-            return []  # a rejected draft would be written over its sinks
-        num_running = len(self.running)
-        k = min(spec.num_draft_tokens(request, num_running, num_running), token_budget - 1)
-        return spec.propose(request, k)
+        decoding = [
+            r for r in self.running
+            if r.num_tokens - r.num_computed_tokens == 1 and spec.is_eligible(r)
+            # a rejected draft would be written over sinks still being computed
+            and (tail is None or r.num_computed_tokens >= tail.sink_tokens)
+        ]  # fmt: skip
+        return spec.plan_step(decoding, len(self.running)) if decoding else {}
 
     def _add_running(self, request: Request) -> None:
         """Put an admitted request in `running`: last (FCFS), or in (priority, arrival) order."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from infer8.request import Request
 
 if TYPE_CHECKING:
@@ -47,32 +49,36 @@ class SpecDecodeStats:
 
 
 class StepCostModel:
-    """Fits step time = fixed + per_token * scheduled tokens over the recent steps (weighted
-    least squares, older steps decayed)."""
+    """Fits step time = fixed + per_token x scheduled tokens + verify_jump x [the step verifies
+    drafts] over the recent decode steps (weighted least squares, older steps decayed).
+
+    The jump is what a step pays as a whole once any request in it verifies: where a
+    verification cannot run as decode rows (an FP8 cache's exact tail), every row of the step
+    leaves the fused decode kernel.
+    """
 
     def __init__(self) -> None:
-        self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._xx = np.zeros((3, 3))  # decayed sums of x x^T, x = (1, tokens, verifies)
+        self._xy = np.zeros(3)
+        self.fixed_s = 0.0
         self.per_token_s = 0.0  # until steps of different sizes are seen, drafts look free
+        self.verify_jump_s = 0.0
 
-    def observe(self, num_tokens: int, step_time_s: float) -> None:
-        """Add one step's size and time."""
-        d = _STEP_DECAY
-        self._w = d * self._w + 1.0
-        self._n = d * self._n + num_tokens
-        self._t = d * self._t + step_time_s
-        self._nn = d * self._nn + num_tokens * num_tokens
-        self._nt = d * self._nt + num_tokens * step_time_s
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        var = self._nn / self._w - mean_n * mean_n
-        if var >= 1.0:  # sizes vary enough to tell the slope
-            self.per_token_s = max(0.0, (self._nt / self._w - mean_n * mean_t) / var)
+    def observe(self, num_tokens: int, step_time_s: float, verifies: bool = False) -> None:
+        """Add one step's size, time, and whether it verified drafts."""
+        x = np.array([1.0, num_tokens, float(verifies)])
+        self._xx = _STEP_DECAY * self._xx + np.outer(x, x)
+        self._xy = _STEP_DECAY * self._xy + step_time_s * x
+        # a little ridge: a column that never varied (no verifying step yet, or one size
+        # only) gets a coefficient of ~0 instead of an undetermined one
+        ridge = 1e-6 * self._xx[0, 0] * np.array([0.0, 1.0, 1.0])
+        fixed, per_token, jump = np.linalg.lstsq(self._xx + np.diag(ridge), self._xy, rcond=None)[0]
+        self.fixed_s, self.per_token_s = float(fixed), max(0.0, float(per_token))
+        self.verify_jump_s = max(0.0, float(jump))
 
     def step_time_s(self, num_tokens: int) -> float:
-        """Return the predicted time of a step of `num_tokens` tokens."""
-        if self._w == 0.0:
-            return 0.0
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        return max(0.0, mean_t + self.per_token_s * (num_tokens - mean_n))
+        """Return the predicted time of a decode step of `num_tokens` tokens."""
+        return max(0.0, self.fixed_s + self.per_token_s * num_tokens)
 
 
 class Speculator:
@@ -133,6 +139,30 @@ class Speculator:
             )
         return k
 
+    def plan_step(self, requests: list[Request], batch_size: int) -> dict[str, list[int]]:
+        """Return this step's drafts for these decoding requests (req_id -> drafts).
+
+        Each request's draft length comes from num_draft_tokens; then the step as a whole:
+        if the time the drafts are expected to save (acceptance^i x a request's share of a
+        step, summed) is below what they cost (their tokens, plus the jump a step pays once it
+        verifies anything), nobody drafts this step.
+        """
+        share_s = self.cost.step_time_s(batch_size) / max(1, batch_size)
+        plans: dict[str, list[int]] = {}
+        saved_s = cost_s = 0.0
+        for request in requests:
+            k = self.num_draft_tokens(request, batch_size, batch_size)
+            drafts = self.propose(request, k)
+            if not drafts:
+                continue
+            plans[request.request_id] = drafts
+            alpha = self._acceptance.get(request.request_id, _PRIOR_ACCEPTANCE)
+            saved_s += share_s * sum(alpha**i for i in range(1, len(drafts) + 1))
+            cost_s += self.cost.per_token_s * len(drafts)
+        if plans and saved_s < cost_s + self.cost.verify_jump_s:
+            return {}
+        return plans
+
     def propose(self, request: Request, num_draft_tokens: int) -> list[int]:
         """Return up to `num_draft_tokens` drafts for a decoding request.
 
@@ -169,7 +199,8 @@ class Speculator:
         if sched_out.scheduled and all(
             s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched_out.scheduled
         ):
-            self.cost.observe(sched_out.total_num_scheduled_tokens, step_time_s)
+            verifies = any(s.spec_token_ids for s in sched_out.scheduled)
+            self.cost.observe(sched_out.total_num_scheduled_tokens, step_time_s, verifies)
 
     def take_stats(self) -> SpecDecodeStats:
         """Return the counters since the last call."""
