@@ -139,23 +139,23 @@ def test_cost_model_fits_the_per_token_time() -> None:
     assert cost.per_token_s == pytest.approx(0.0005, rel=1e-4)
     assert cost.step_time_s(100) == pytest.approx(0.060, rel=1e-4)
     assert cost.verify_jump_s == pytest.approx(0.0, abs=1e-6)  # no step verified yet
-    # steps that verify pay 20 ms more as a whole (rows off the fused decode kernel)
-    for n, verifies in ((32, False), (40, True), (32, False), (52, True), (36, True)):
-        cost.observe(n, 0.010 + 0.0005 * n + 0.020 * verifies, verifies)
-    assert cost.verify_jump_s == pytest.approx(0.020, rel=1e-3)
+    # steps that verify pay 1 ms more per request (rows off the fused decode kernel)
+    for n, reqs in ((32, 0), (40, 32), (32, 0), (52, 32), (12, 8), (1, 0), (6, 1)):
+        cost.observe(n, 0.010 + 0.0005 * n + 0.001 * reqs, reqs)
+    assert cost.verify_jump_s == pytest.approx(0.001, rel=1e-3)
     assert cost.per_token_s == pytest.approx(0.0005, rel=1e-3)
 
 
 def test_a_step_drafts_only_where_the_drafts_pay_for_the_jump_too() -> None:
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2), 4)
-    for n, verifies in ((1, False), (5, True), (32, False), (36, True), (1, False), (64, False)):
-        spec.cost.observe(n, 0.010 + 0.0005 * n + 0.005 * verifies, verifies)
+    for n, reqs in ((1, 0), (5, 1), (32, 0), (36, 32), (1, 0), (64, 0), (20, 16)):
+        spec.cost.observe(n, 0.010 + 0.0005 * n + 0.003 * reqs, reqs)
     # one request with something to copy among 32: its drafts could save ~0.8 ms (a share of
-    # 26 ms / 32 each at the prior acceptance of 0.5), but cost 2 ms and the jump 5: nobody
-    # drafts
+    # 26 ms / 32 each at the prior acceptance of 0.5), but cost 2 ms and the jump 3 ms x 32:
+    # nobody drafts
     copying = _request("a", [5, 6, 7, 8, 5, 6, 7])
     assert spec.plan_step([copying], batch_size=32) == {}
-    # alone, its 4 drafts save ~9.8 ms of a 10.5 ms step: more than the jump and their tokens
+    # alone, its 4 drafts save ~9.8 ms of a 10.5 ms step: more than its jump and tokens (5 ms)
     assert spec.plan_step([_request("b", [5, 6, 7, 8, 5, 6, 7])], batch_size=1) == {
         "b": [8, 5, 6, 7]
     }

@@ -49,24 +49,26 @@ class SpecDecodeStats:
 
 
 class StepCostModel:
-    """Fits step time = fixed + per_token x scheduled tokens + verify_jump x [the step verifies
-    drafts] over the recent decode steps (weighted least squares, older steps decayed).
+    """Fits step time = fixed + per_token x scheduled tokens + verify_jump x the step's
+    requests, if it verifies drafts, over the recent decode steps (weighted least squares,
+    older steps decayed).
 
-    The jump is what a step pays as a whole once any request in it verifies: where a
-    verification cannot run as decode rows (an FP8 cache's exact tail), every row of the step
-    leaves the fused decode kernel.
+    The jump is what a step pays once any request in it verifies: where a verification cannot
+    run as decode rows (an FP8 cache's exact tail), every request of the step leaves the fused
+    decode kernel for the prefill path, at a cost per request.
     """
 
     def __init__(self) -> None:
-        self._xx = np.zeros((3, 3))  # decayed sums of x x^T, x = (1, tokens, verifies)
+        self._xx = np.zeros((3, 3))  # decayed sums of x x^T, x = (1, tokens, verify requests)
         self._xy = np.zeros(3)
         self.fixed_s = 0.0
         self.per_token_s = 0.0  # until steps of different sizes are seen, drafts look free
-        self.verify_jump_s = 0.0
+        self.verify_jump_s = 0.0  # per request of a step that verifies
 
-    def observe(self, num_tokens: int, step_time_s: float, verifies: bool = False) -> None:
-        """Add one step's size, time, and whether it verified drafts."""
-        x = np.array([1.0, num_tokens, float(verifies)])
+    def observe(self, num_tokens: int, step_time_s: float, num_verify_reqs: int = 0) -> None:
+        """Add one step's size and time; num_verify_reqs: its requests if it verified drafts
+        (else 0)."""
+        x = np.array([1.0, num_tokens, num_verify_reqs])
         self._xx = _STEP_DECAY * self._xx + np.outer(x, x)
         self._xy = _STEP_DECAY * self._xy + step_time_s * x
         # a little ridge: a column that never varied (no verifying step yet, or one size
@@ -144,8 +146,8 @@ class Speculator:
 
         Each request's draft length comes from num_draft_tokens; then the step as a whole:
         if the time the drafts are expected to save (acceptance^i x a request's share of a
-        step, summed) is below what they cost (their tokens, plus the jump a step pays once it
-        verifies anything), nobody drafts this step.
+        step, summed) is below what they cost (their tokens, plus the jump each of the step's
+        requests pays once it verifies anything), nobody drafts this step.
         """
         share_s = self.cost.step_time_s(batch_size) / max(1, batch_size)
         plans: dict[str, list[int]] = {}
@@ -159,7 +161,7 @@ class Speculator:
             alpha = self._acceptance.get(request.request_id, _PRIOR_ACCEPTANCE)
             saved_s += share_s * sum(alpha**i for i in range(1, len(drafts) + 1))
             cost_s += self.cost.per_token_s * len(drafts)
-        if plans and saved_s < cost_s + self.cost.verify_jump_s:
+        if plans and saved_s < cost_s + self.cost.verify_jump_s * batch_size:
             return {}
         return plans
 
@@ -200,7 +202,8 @@ class Speculator:
             s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched_out.scheduled
         ):
             verifies = any(s.spec_token_ids for s in sched_out.scheduled)
-            self.cost.observe(sched_out.total_num_scheduled_tokens, step_time_s, verifies)
+            num_reqs = len(sched_out.scheduled) if verifies else 0
+            self.cost.observe(sched_out.total_num_scheduled_tokens, step_time_s, num_reqs)
 
     def take_stats(self) -> SpecDecodeStats:
         """Return the counters since the last call."""
