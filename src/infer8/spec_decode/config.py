@@ -14,7 +14,7 @@ _DRAFT_MODEL_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_mo
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How drafts are proposed (vLLM's SpeculativeConfig names and defaults, n-gram method)."""
+    """How drafts are proposed (vLLM's SpeculativeConfig names and defaults: ngram, suffix)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 5  # suffix: defaults to suffix_decoding_max_tree_depth
