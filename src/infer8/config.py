@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from infer8.spec_decode.config import SpeculativeConfig
+from infer8.utils import check_known_keys, json_object_flag
 
 if TYPE_CHECKING:
     import torch
@@ -302,19 +302,8 @@ class KVEventsConfig:
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         """Parse `--kv-events-config` (a JSON object, as vLLM takes it); unknown keys fail."""
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-events-config is not valid JSON: {e}") from e
-        if not isinstance(values, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"--kv-events-config: unknown key(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
+        values = json_object_flag("--kv-events-config", text)
+        check_known_keys("--kv-events-config", values, (f.name for f in fields(cls)))
         if values.get("publisher") is None:
             # vLLM's default: zmq when events are enabled, else null.
             values["publisher"] = "zmq" if values.get("enable_kv_cache_events") else "null"

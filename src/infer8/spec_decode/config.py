@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from infer8.utils import check_known_keys, json_object_flag
 
 SUPPORTED_METHODS = ("ngram", "suffix")
 # vLLM's methods that need a draft model or a draft head: refused by name.
@@ -67,33 +68,19 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str | dict[str, Any]) -> SpeculativeConfig:
         """Parse `--speculative-config` as vLLM takes it; unknown keys and methods fail."""
-        if isinstance(text, dict):
-            values = dict(text)
-        else:
-            try:
-                values = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
-        if not isinstance(values, dict):
-            raise ValueError("--speculative-config must be a JSON object")
-        method = values.get("method")
-        if method is None and "model" in values:
-            method = values["model"]  # vLLM's older form: {"model": "[ngram]"} or a draft model
+        values = json_object_flag("--speculative-config", text)
+        method = values.pop("model", None) if values.get("method") is None else values["method"]
+        # vLLM's older form: {"model": "[ngram]"}; any other model is a draft model
         if method in ("[ngram]", None):
             method = "ngram"
         if method not in SUPPORTED_METHODS:
             raise ValueError(_method_error(str(method)))
         values["method"] = method
         values.pop("model", None)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
+        check_known_keys("--speculative-config", values, (f.name for f in fields(cls)))
         if method == "suffix" and "num_speculative_tokens" not in values:
-            values["num_speculative_tokens"] = values.get("suffix_decoding_max_tree_depth", 24)
+            depth = values.get("suffix_decoding_max_tree_depth", cls.suffix_decoding_max_tree_depth)
+            values["num_speculative_tokens"] = depth
         # vLLM's rule: one bound given sets the other; neither gives 5 and 5
         lo, hi = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
         if lo is None and hi is None:
