@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from infer8.lora.config import LoRAConfig
 from infer8.spec_decode.config import SpeculativeConfig
 from infer8.utils import check_known_keys, json_object_flag
 
@@ -326,6 +327,7 @@ class EngineConfig:
     kv_events_config: KVEventsConfig
     quantization: str | None = None
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -361,6 +363,22 @@ class EngineArgs:
     chat_template: str | None = None
     kv_events_config: str | None = None
     speculative_config: str | dict[str, Any] | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        """Validate and return the LoRA settings (None: --enable-lora is off)."""
+        if not self.enable_lora:
+            return None
+        if self.scheduler == "static":
+            raise ValueError(
+                "--enable-lora needs the continuous scheduler (drop --scheduler static)"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1 yet")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def create_speculative_config(self) -> SpeculativeConfig | None:
         """Validate and return the speculative decoding settings (None: off)."""
@@ -387,6 +405,7 @@ class EngineArgs:
         self.create_parallel_config()  # fails here, with the other values, when invalid
         self.create_kv_events_config()
         self.create_speculative_config()
+        self.create_lora_config()
         if self.quantization not in (None, "fp8", "none"):
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported; infer8 quantizes weights "
@@ -462,6 +481,7 @@ class EngineArgs:
             self.create_kv_events_config(),
             None if self.quantization == "none" else self.quantization,
             self.create_speculative_config(),
+            self.create_lora_config(),
         )
         return config
 

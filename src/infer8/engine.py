@@ -22,7 +22,10 @@ from infer8.core.static_scheduler import StaticScheduler
 from infer8.executor import Executor, create_executor
 from infer8.generation_config import sampling_defaults
 from infer8.kv_events import create_event_publisher
+from infer8.lora.config import LoRARequest
+from infer8.lora.peft import read_adapter
 from infer8.models.default_model import DEFAULT_MODEL_NAME
+from infer8.models.llama import LlamaArchConfig
 from infer8.models.loader import read_hf_config, resolve_model_path
 from infer8.outputs import RequestOutput, RequestState, error_output
 from infer8.request import Request, RequestStatus
@@ -101,6 +104,11 @@ class LLMEngine:
             not cache_config.enable_prefix_caching or scheduler_config.scheduler == "static"
         ):
             logger.warning("KV cache events are on but prefix caching is off: none will be sent")
+        # --enable-lora: the adapters requests may name (lora_int_id -> request)
+        self.lora_config = self.config.lora_config
+        self.loras: dict[int, LoRARequest] = {}
+        self._max_lora_id = 0  # ids are never reused: no cached block outlives its adapter
+        self._lora_arch = LlamaArchConfig.from_hf_config(hf_config) if self.lora_config else None
         self.kv_cache_manager, self.scheduler = self._build_scheduler()
         self.req_states: dict[str, RequestState] = {}
         self._req_counter = itertools.count()
@@ -148,6 +156,7 @@ class LLMEngine:
                 max_num_batched_tokens,
                 policy=self.scheduler_config.policy,
                 speculator=self._speculator(),
+                max_loras=None if self.lora_config is None else self.lora_config.max_loras,
             )
         return kv_cache_manager, scheduler
 
@@ -206,6 +215,40 @@ class LLMEngine:
         self.req_states.clear()
         self.last_stats = SchedulerStats(num_kv_blocks_total=self.num_blocks)
 
+    # -- LoRA adapters ----------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check an adapter against the model and let requests use it; ValueError if it does
+        not fit (a one-line reason naming the file or field). Its weights load on first use."""
+        if self.lora_config is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if known != lora_request:
+                raise ValueError(
+                    f"lora_int_id {lora_request.lora_int_id} is already {known.lora_name!r} "
+                    f"({known.lora_path})"
+                )
+            return
+        if any(lora.lora_name == lora_request.lora_name for lora in self.loras.values()):
+            raise ValueError(f"a LoRA adapter named {lora_request.lora_name!r} is already loaded")
+        assert self._lora_arch is not None
+        read_adapter(lora_request.lora_path, self._lora_arch, self.lora_config.max_lora_rank)
+        self.loras[lora_request.lora_int_id] = lora_request
+        self._max_lora_id = max(self._max_lora_id, lora_request.lora_int_id)
+
+    def new_lora_id(self) -> int:
+        """Return an adapter id no adapter holds (the server numbers the ones it loads)."""
+        return self._max_lora_id + 1
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Stop accepting requests for an adapter (running ones finish with it); return
+        whether it was known."""
+        return self.loras.pop(lora_int_id, None) is not None
+
+    def list_loras(self) -> list[LoRARequest]:
+        """Return the adapters requests may use."""
+        return list(self.loras.values())
+
     # -- the request API ------------------------------------------------------------------
     def add_request(
         self,
@@ -215,10 +258,13 @@ class LLMEngine:
         arrival_time_s: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; return its id. Raises ValueError on bad input.
 
-        Requests with different `cache_salt` values never share prefix-cached KV blocks.
+        Requests with different `cache_salt` values (or LoRA adapters) never share
+        prefix-cached KV blocks. `lora_request`: the adapter it runs with, registered here on
+        first sight (add_lora).
         `priority` orders requests under --scheduling-policy priority (lower values first);
         under fcfs only 0 is accepted, as in vLLM.
         """
@@ -226,6 +272,8 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string if provided")
         self.check_priority(priority)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
@@ -244,6 +292,7 @@ class LLMEngine:
             arrival_time_s,
             cache_salt,
             priority,
+            lora_request,
         )
         limit = self.max_model_len
         if params.max_tokens is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from infer8.config import CacheConfig
@@ -26,6 +28,7 @@ class EngineMetrics:
         cache_config: CacheConfig,
         num_blocks: int,
         registry: CollectorRegistry | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r, name = self.registry, ["model_name"]
@@ -191,8 +194,31 @@ class EngineMetrics:
             registry=r,
         )
 
+        # --enable-lora: vLLM's info gauge, one series labelled with the running and waiting
+        # adapters (comma-separated names) whose value is when they last changed
+        self._max_loras = max_loras
+        self._lora_labels: tuple[str, str, str] | None = None
+        self._lora_info = None
+        if max_loras is not None:
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info", "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r,
+            )  # fmt: skip
+            self._set_lora_info([], [])
+
+    def _set_lora_info(self, running: list[str], waiting: list[str]) -> None:
+        labels = (str(self._max_loras), ",".join(waiting), ",".join(running))
+        if labels == self._lora_labels or self._lora_info is None:
+            return
+        if self._lora_labels is not None:
+            self._lora_info.remove(*self._lora_labels)
+        self._lora_info.labels(*labels).set(time.time())
+        self._lora_labels = labels
+
     def on_step(self, stats: SchedulerStats) -> None:
         """Count one step's preemptions, padding and prefix cache lookups."""
+        if self._lora_info is not None:
+            self._set_lora_info(stats.running_lora_adapters, stats.waiting_lora_adapters)
         if stats.num_prefix_cache_queries:
             self.prefix_cache_queries.inc(stats.num_prefix_cache_queries)
             self.prefix_cache_hits.inc(stats.num_prefix_cache_hits)

@@ -10,6 +10,7 @@ from infer8.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from infer8.core.block_pool import BlockHash
+    from infer8.lora.config import LoRARequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,6 +59,7 @@ class Request:
         arrival_time_s: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -77,6 +79,8 @@ class Request:
         self.max_num_tokens = len(self.prompt_token_ids) + (sampling_params.max_tokens or 0)
         # Prefix caching: requests with different salts never share KV blocks.
         self.cache_salt = cache_salt
+        # Its LoRA adapter (None: the base model); its blocks are cached under the adapter.
+        self.lora_request = lora_request
         # Hash chain of the full blocks of all_token_ids, extended by the KV cache manager.
         self.block_hashes: list[BlockHash] = []
 

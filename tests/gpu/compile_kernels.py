@@ -59,7 +59,8 @@ def _install_compile_only_driver(arch: int) -> list[str]:
 
 # The fewest configurations that reach every kernel and constexpr branch (--configs ci): both
 # FP8 formats, dynamic and static scales, the tail with and without rotation, bf16 and fp16
-# dot operands; on Ampere (no E4M3, so no tail) the plain E5M2 path.
+# dot operands; on Ampere (no E4M3, so no tail) the plain E5M2 path. Every configuration also
+# launches the multi-LoRA kernels in its model dtype.
 _CI_CONFIGS = {
     90: [
         (torch.bfloat16, torch.float8_e4m3fn, "dynamic", True, True),
@@ -115,6 +116,19 @@ def _launch_all(model_dtype, cache_dtype, scales: str, tail: bool, rotate: bool)
     for splits in (1, 4):
         backend = TritonAttention(dev, num_splits=splits)
         backend.write_and_attend(q, k, k, cache, backend.build_metadata(meta), d**-0.5)
+    _launch_lora(model_dtype)
+
+
+def _launch_lora(dtype: torch.dtype) -> None:
+    """Launch the multi-LoRA kernels as a fused qkv of rank 3 * 16 over 4 slots would."""
+    from infer8.lora.triton_ops import triton_lora_add
+
+    num_slots, rank, in_features, out_features = 4, 48, 576, 1728
+    x = torch.zeros(3, in_features, dtype=dtype)
+    y = torch.zeros(3, out_features, dtype=dtype)
+    a = torch.zeros(num_slots, rank, in_features, dtype=dtype)
+    b = torch.zeros(num_slots, rank, out_features, dtype=dtype)
+    triton_lora_add(x, y, a, b, torch.tensor([0, -1, 3], dtype=torch.int32))
 
 
 def main() -> int:

@@ -29,8 +29,10 @@ ROOT = SCRIPT.parents[2]
 )
 @pytest.mark.parametrize("arch, kernels", [
     (90, {"decode_kernel", "prefill_kernel", "reduce_kernel", "write_kv_kernel",
-          "_tail_residual_kernel", "_ring_write_kernel", "rotate_q_kernel"}),
-    (80, {"decode_kernel", "prefill_kernel", "reduce_kernel", "write_kv_kernel"}),
+          "_tail_residual_kernel", "_ring_write_kernel", "rotate_q_kernel",
+          "lora_shrink_kernel", "lora_expand_kernel"}),
+    (80, {"decode_kernel", "prefill_kernel", "reduce_kernel", "write_kv_kernel",
+          "lora_shrink_kernel", "lora_expand_kernel"}),
 ])  # fmt: skip
 def test_every_kernel_compiles_to_a_cubin(arch: int, kernels: set[str], tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

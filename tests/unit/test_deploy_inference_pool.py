@@ -357,7 +357,7 @@ def test_picker_runs_the_three_scorers_and_reads_vllm_metrics() -> None:
     (engine,) = plugin(config, "core-metrics-extractor")["engineConfigs"]
     assert engine["name"] == "vllm"
     for key, name in PICKER_VLLM_METRICS.items():
-        # the picker's built-in vLLM names, except the LoRA read, which infer8 cannot serve
+        # the picker's built-in vLLM names, except the LoRA read (exported under --enable-lora only)
         assert engine[key] == ("" if key == "loraSpec" else name), key
 
 
@@ -442,7 +442,7 @@ def test_infer8_exports_every_metric_the_picker_reads() -> None:
     (sample,) = families[read["cacheInfoSpec"]].samples
     assert sample.labels["block_size"] == str(block_size)
     assert sample.labels["num_gpu_blocks"] == "1000"
-    assert PICKER_VLLM_METRICS["loraSpec"] not in families  # why the LoRA read is off
+    assert PICKER_VLLM_METRICS["loraSpec"] not in families  # no --enable-lora: the read is off
 
 
 def test_metric_check_fails_for_a_name_infer8_does_not_export() -> None:

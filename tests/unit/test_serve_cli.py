@@ -243,16 +243,18 @@ def test_serve_help_is_grouped_as_vllms_and_loads_no_torch() -> None:
     assert out.rstrip().endswith("NO TORCH")
     assert out.startswith("usage: infer8 serve [MODEL] [options]\n")
     sections = [line for line in out.splitlines() if line and not line[0].isspace()]
-    assert [s for s in sections if s.endswith(":")][-7:] == [
+    assert [s for s in sections if s.endswith(":")][-8:] == [
         "Model:",
         "Cache (KV blocks, FP8, prefix caching):",
         "Scheduler:",
         "Speculative decoding:",
+        "LoRA:",
         "Parallel:",
         "Frontend (HTTP server, API keys, limits):",
         "vLLM's other flags (accepted as vLLM's, with a warning, or refused with the reason):",
     ]
-    assert "VLLM_" not in out.replace("VLLM_SERVER_DEV_MODE", "")
+    env_flags = ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    assert "VLLM_" not in out.replace(env_flags[0], "").replace(env_flags[1], "")
     text = " ".join(out.split())
     assert "(default: None)" not in text
     assert not re.search(r"\(default: [^)]*\)[^(]{0,3}\(default:", text)

@@ -61,7 +61,7 @@ def test_flags_map_onto_infer8_options() -> None:
     [
         ("--pipeline-parallel-size 2", "pipeline parallelism"),
         ("--data-parallel-size 4", "replicas"),
-        ("--enable-lora", "LoRA"),
+        ("--lora-modules a=/x", "needs --enable-lora"),
         ("""--speculative-config '{"method": "eagle"}'""", "needs a draft model"),
         ("--no-enable-chunked-prefill", "always on"),
         ("--tokenizer /other", "tokenizer"),

@@ -115,6 +115,19 @@ def add_bench_parser(sub: Any) -> None:
     _add_output_args(sd)
     sd.set_defaults(func=commands.cmd_spec_decode)
 
+    lo = bsub.add_parser(
+        "lora",
+        help="W1 through the base model alone, one LoRA adapter and N adapters mixed uniformly, "
+        "one engine per group in one run",
+    )
+    add_engine_args(lo)
+    lo.add_argument("--num-adapters", type=int, default=4, help="adapters of the mixed group")
+    lo.add_argument("--rank", type=int, default=16, help="the random adapters' rank")
+    lo.add_argument("--num-requests", type=int, default=64, help="W1's requests (128/128)")
+    lo.add_argument("--rounds", type=int, default=1, help="the groups run this many times, in turn")
+    _add_output_args(lo)
+    lo.set_defaults(func=commands.cmd_lora)
+
     sv = bsub.add_parser("serve", help="streaming load against any OpenAI-compatible server")
     sv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     sv.add_argument("--endpoint", choices=["completions", "chat"], default="completions")

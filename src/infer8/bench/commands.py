@@ -67,6 +67,17 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lora(ns: argparse.Namespace) -> int:
+    from infer8.bench.lora import format_lora, run_lora_bench
+
+    result = run_lora_bench(
+        engine_args_from(ns), ns.num_adapters, ns.rank, ns.num_requests, ns.rounds,
+        use_tqdm=not ns.disable_tqdm,
+    )  # fmt: skip
+    _emit(ns, result, format_lora(result))
+    return 0
+
+
 def cmd_spec_decode(ns: argparse.Namespace) -> int:
     from infer8.bench.spec_decode import format_spec_decode, run_spec_decode_bench
 

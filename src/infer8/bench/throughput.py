@@ -13,6 +13,7 @@ from infer8.bench.workload import BenchRequest, LengthSpec, make_requests, workl
 from infer8.config import EngineArgs
 from infer8.core.sched_output import SchedulerStats
 from infer8.engine import LLMEngine
+from infer8.lora.config import LoRARequest
 from infer8.progress import progress_bar
 from infer8.sampling_params import SamplingParams
 
@@ -71,6 +72,7 @@ def run_workload(
     max_tokens: int | None = None,
     desc: str = "requests",
     use_tqdm: bool = True,
+    lora_requests: list[LoRARequest | None] | None = None,
 ) -> dict[str, Any]:
     """Queue every request at once, step until all finish; return throughput, latency, steps.
 
@@ -80,6 +82,7 @@ def run_workload(
     and keeps the seat; continuous batching frees the blocks at once).
     Per-request times are stamped when a step returns a request's tokens; TTFT includes the
     time a request waited to be admitted, as a user of a loaded server would see it.
+    `lora_requests`: each request's LoRA adapter (None: the base model).
     """
     longest = max(r.output_len for r in requests)
     if max_tokens is not None and max_tokens < longest:
@@ -99,8 +102,9 @@ def run_workload(
     bar = progress_bar(total=len(requests), desc=desc, disable=not use_tqdm, unit="req")
     try:
         t0 = time.perf_counter()
-        for r, p in zip(requests, params):
-            req_id = engine.add_request(r.prompt_token_ids, p)
+        for i, (r, p) in enumerate(zip(requests, params)):
+            lora = None if lora_requests is None else lora_requests[i]
+            req_id = engine.add_request(r.prompt_token_ids, p, lora_request=lora)
             timings[req_id] = RequestTiming(r.prompt_len)
             targets[req_id] = r.output_len
         num_done = 0

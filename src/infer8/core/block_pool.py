@@ -142,13 +142,15 @@ class BlockPool:
         parent_block_hash: BlockHash | None = None,
         block_token_ids: Sequence[Sequence[int]] | None = None,
         block_extra_keys: Sequence[tuple[object, ...] | None] | None = None,
+        lora: tuple[int, str] | None = None,
     ) -> None:
         """Register full blocks under their prefix hashes so later requests can reuse them.
 
         A block already cached (a reused prefix) keeps its hash. A block whose hash another
         block already holds (the same prefix computed twice) stays private: one copy is enough.
         The blocks are consecutive in one hash chain after `parent_block_hash`; with events on,
-        `block_token_ids` (and `block_extra_keys`) say what each block holds.
+        `block_token_ids` (and `block_extra_keys`) say what each block holds, `lora` the
+        (id, name) of the LoRA adapter that computed them.
         """
         newly_cached = []
         for i, (block_id, block_hash) in enumerate(zip(block_ids, block_hashes, strict=True)):
@@ -172,8 +174,9 @@ class BlockPool:
                         block_extra_keys[i] if block_extra_keys else None,
                     )
             self._record_stored(
-                newly_cached, block_hashes, parent_block_hash, block_token_ids, block_extra_keys
-            )
+                newly_cached, block_hashes, parent_block_hash, block_token_ids, block_extra_keys,
+                lora,
+            )  # fmt: skip
 
     def _record_stored(
         self,
@@ -182,6 +185,7 @@ class BlockPool:
         parent_block_hash: BlockHash | None,
         block_token_ids: Sequence[Sequence[int]],
         block_extra_keys: Sequence[tuple[object, ...] | None] | None,
+        lora: tuple[int, str] | None = None,
     ) -> None:
         """Record one BlockStored per run of consecutive newly cached blocks."""
         runs: list[list[int]] = []
@@ -199,6 +203,8 @@ class BlockPool:
                     token_ids=[t for i in run for t in block_token_ids[i]],
                     block_size=len(block_token_ids[first]),
                     extra_keys=[block_extra_keys[i] if block_extra_keys else None for i in run],
+                    lora_id=None if lora is None else lora[0],
+                    lora_name=None if lora is None else lora[1],
                 )
             )
 

@@ -234,6 +234,9 @@ class KVCacheManager:
             parent_block_hash=hashes[num_cached - 1] if num_cached else None,
             block_token_ids=token_ids,
             block_extra_keys=extra_keys,
+            lora=None
+            if (lora := request.lora_request) is None
+            else (lora.lora_int_id, lora.lora_name),
         )
         self.req_to_num_cached_blocks[request.request_id] = num_full
 
@@ -270,5 +273,11 @@ class KVCacheManager:
 
 
 def _extra_keys(request: Request, block_index: int) -> tuple[object, ...] | None:
-    """Return what a block's hash covers besides tokens: the cache_salt, in the first block."""
-    return (request.cache_salt,) if block_index == 0 and request.cache_salt else None
+    """Return what a block's hash covers besides tokens: its LoRA adapter (name and id, in
+    every block, as vLLM keys them by name: an adapter loaded again under the same name is a
+    new id), then the cache_salt in the first block."""
+    lora = request.lora_request
+    keys: tuple[object, ...] = () if lora is None else (lora.lora_name, lora.lora_int_id)
+    if block_index == 0 and request.cache_salt:
+        keys += (request.cache_salt,)
+    return keys or None

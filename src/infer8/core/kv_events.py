@@ -29,6 +29,9 @@ class BlockStored:
     # Per block, the extra keys its hash covers besides its tokens (a cache_salt), or None.
     extra_keys: list[tuple[object, ...] | None]
     medium: str = MEDIUM_DEVICE
+    # the LoRA adapter that computed them (vLLM's lora_id / lora_name), None: the base model
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infer8.core.exact_tail_seats import TailSeat
+from infer8.lora.config import LoRARequest
 from infer8.sampling_params import SamplingParams
 from infer8.spec_decode.speculator import SpecDecodeStats
 
@@ -17,6 +18,7 @@ class NewRequestData:
     prompt_token_ids: list[int]  # with any tokens generated before a preemption
     sampling_params: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass
@@ -106,6 +108,9 @@ class SchedulerStats:
     num_host_cache_hits: int = 0
     step_time_s: float = 0.0
     spec_decode: SpecDecodeStats | None = None  # the step's verified drafts (None: speculation off)
+    # --enable-lora: the adapters of running and waiting requests (vllm:lora_requests_info)
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
     scheduled_req_ids: list[str] = field(default_factory=list)
     admitted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Iterable
 
 from infer8.core.kv_cache_manager import KVCacheManager
 from infer8.core.request_queue import (
@@ -33,8 +34,11 @@ class SchedulerBase:
         max_num_batched_tokens: int,
         policy: SchedulingPolicy | str = SchedulingPolicy.FCFS,
         speculator: Speculator | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        # --enable-lora: the most distinct adapters running at once (a step's device slots)
+        self.max_loras = max_loras
         self.speculator = speculator  # drafts for decoding requests (continuous scheduler)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -128,6 +132,7 @@ class SchedulerBase:
                     list(request.all_token_ids),
                     request.sampling_params,
                     request.eos_token_ids,
+                    request.lora_request,
                 )
             )
         if request.first_scheduled_time_s is None:
@@ -195,6 +200,9 @@ class SchedulerBase:
         stats.num_kv_blocks_total = self.kv_cache_manager.num_blocks
         if self.speculator is not None:
             stats.spec_decode = self.speculator.take_stats()
+        if self.max_loras is not None:
+            stats.running_lora_adapters = _lora_names(self.running)
+            stats.waiting_lora_adapters = _lora_names(self.waiting)
         return stats
 
     def schedule(self) -> SchedulerOutput:  # pragma: no cover - abstract
@@ -250,7 +258,10 @@ class Scheduler(SchedulerBase):
             break  # the request preempted itself: nothing further fits
 
         # Waiting requests join while seats, budget and blocks allow; not after a preemption
-        # for lack of blocks, nor a request preempted this step.
+        # for lack of blocks, nor a request preempted this step. One whose LoRA adapter would
+        # exceed --max-loras waits (skipped, in its place) while the others may join.
+        running_loras = self._running_lora_ids()
+        skipped: list[Request] = []
         while (
             not preempted
             and self.waiting
@@ -261,6 +272,15 @@ class Scheduler(SchedulerBase):
             request = self.waiting.peek_request()
             if request.request_id in out.preempted_req_ids:
                 break
+            lora = request.lora_request
+            if (
+                lora is not None
+                and running_loras is not None
+                and lora.lora_int_id not in running_loras
+                and len(running_loras) >= self.max_loras  # type: ignore[operator]
+            ):
+                skipped.append(self.waiting.pop_request())
+                continue
             assert request.num_computed_tokens == 0  # new, or preempted and recomputed
             # The longest cached prefix (a preempted request often finds its own blocks again),
             # continued in the host tier (those blocks are loaded, not computed), as far as an
@@ -284,10 +304,20 @@ class Scheduler(SchedulerBase):
             self._record_prefix_cache_query(request, num_device_computed, num_computed)
             self._schedule_request(out, request, num_new)
             token_budget -= num_new
+            if lora is not None and running_loras is not None:
+                running_loras.add(lora.lora_int_id)
+        for request in reversed(skipped):  # back in their places, ahead of the rest
+            self.waiting.prepend_request(request)
 
         self._take_host_transfers(out)
         self._stats.num_scheduled_tokens = out.total_num_scheduled_tokens
         return out
+
+    def _running_lora_ids(self) -> set[int] | None:
+        """Return the adapters of the running requests (None: LoRA is off)."""
+        if self.max_loras is None:
+            return None
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def _plan_drafts(self) -> dict[str, list[int]]:
         """Return this step's drafts of the decoding running requests (req_id -> drafts)."""
@@ -383,3 +413,8 @@ class Scheduler(SchedulerBase):
         self.waiting.prepend_request(request)
         out.preempted_req_ids.append(request.request_id)
         self._stats.num_preemptions += 1
+
+
+def _lora_names(requests: Iterable[Request]) -> list[str]:
+    """Return the distinct LoRA adapter names of requests, sorted."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})

@@ -67,6 +67,11 @@ HELP: dict[str, str] = {
     "speculative_config": "speculative decoding as vLLM configures it (a JSON object): ngram or "
     "suffix drafts from text the request holds, verified in the batch, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}\'',
+    "enable_lora": "serve LoRA adapters (PEFT format) beside the base model: requests pick one "
+    "by its name in `model`",
+    "max_loras": "most distinct LoRA adapters in one batch (device slots)",
+    "max_lora_rank": "largest LoRA rank an adapter may have (slots are sized for it)",
+    "max_cpu_loras": "loaded LoRA adapters kept in host memory (default: --max-loras)",
     "kv_events_config": "publish prefix-cache events over ZMQ as vLLM does, for KV-aware routers "
     "(a JSON object of vLLM's KVEventsConfig), e.g. "
     '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
@@ -98,6 +103,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "Scheduler": ("max_num_seqs", "max_num_batched_tokens", "scheduler", "scheduling_policy"),
     "Speculative decoding": ("speculative_config",),
+    "LoRA": ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"),
     "Parallel": ("tensor_parallel_size",),
 }  # fmt: skip
 

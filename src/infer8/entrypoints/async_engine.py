@@ -22,6 +22,7 @@ from infer8.entrypoints.request_group import (
 )
 from infer8.entrypoints.supervision import StepSupervisor, SupervisionConfig
 from infer8.host_memory import HostMemory
+from infer8.lora.config import LoRARequest
 from infer8.metrics import EngineMetrics
 from infer8.outputs import RequestOutput
 from infer8.sampling_params import SamplingParams
@@ -185,6 +186,7 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestGroup:
         """Submit one API request's engine requests; raise if overloaded, draining or stopped.
 
@@ -193,7 +195,9 @@ class AsyncLLMEngine:
         --scheduling-policy priority (lower first).
         """
         loop = loop or asyncio.get_running_loop()
-        group = RequestGroup(request_id, prompts, params, loop, self, cache_salt, priority)
+        group = RequestGroup(
+            request_id, prompts, params, loop, self, cache_salt, priority, lora_request
+        )
         with self._lock:
             if self._dead_reason is not None:
                 raise EngineDeadError(self._dead_reason)
@@ -361,6 +365,7 @@ class AsyncLLMEngine:
                     group.arrival_time_s,
                     group.cache_salt,
                     priority=group.priority,
+                    lora_request=group.lora_request,
                 )
                 added.append(request_id)
                 self._tracked[request_id] = TrackedRequest(group, index, len(prompt))

@@ -8,6 +8,7 @@ from typing import Any
 from infer8.config import EngineArgs
 from infer8.engine import LLMEngine
 from infer8.logging_setup import configure_logging
+from infer8.lora.config import LoRARequest
 from infer8.outputs import RequestOutput
 from infer8.progress import progress_bar
 from infer8.sampling_params import SamplingParams
@@ -41,12 +42,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt, in order.
 
         A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids" and
         optionally "cache_salt" (requests with different salts never share cached KV blocks).
         `priority` (one per prompt, lower first) needs scheduling_policy="priority", as in vLLM.
+        `lora_request`: a LoRA adapter for every prompt, or one (or None) per prompt; needs
+        enable_lora=True.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -64,8 +68,14 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora requests")
         engine_prompts = [_as_engine_prompt(p) for p in prompts]
-        return self._run(engine_prompts, params_list, use_tqdm, priorities)
+        return self._run(engine_prompts, params_list, use_tqdm, priorities, loras)
 
     def chat(
         self,
@@ -74,6 +84,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them and generate.
 
@@ -102,7 +113,7 @@ class LLM:
             prompts.append(
                 tok.encode_chat(conv, add_generation_prompt=add_generation_prompt, **kwargs)
             )
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def reset_prefix_cache(self) -> int:
         """Drop every prefix-cached KV block; return how many were dropped."""
@@ -114,6 +125,7 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
         priorities: list[int] | None = None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         # Validate every prompt before queuing any, so a bad one leaves nothing half-run.
@@ -121,7 +133,10 @@ class LLM:
         try:
             for i, ((prompt, cache_salt), p) in enumerate(zip(prompts, params)):
                 priority = 0 if priorities is None else priorities[i]
-                ids.append(engine.add_request(prompt, p, cache_salt=cache_salt, priority=priority))
+                lora = None if loras is None else loras[i]
+                ids.append(engine.add_request(
+                    prompt, p, cache_salt=cache_salt, priority=priority, lora_request=lora
+                ))  # fmt: skip
         except ValueError:
             engine.abort_request(ids)
             raise

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from infer8.lora.config import LoRARequest
 from infer8.metrics import EngineMetrics
 from infer8.outputs import CompletionOutput, RequestOutput
 from infer8.sampling_params import RequestOutputKind, SamplingParams
@@ -50,6 +51,7 @@ class RequestGroup:
         engine: AsyncLLMEngine,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         assert len(prompts) == len(params) > 0
         self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -57,6 +59,7 @@ class RequestGroup:
         self.params = list(params)
         self.cache_salt = cache_salt
         self.priority = priority
+        self.lora_request = lora_request  # the adapter its `model` named (None: the base)
         self.arrival_time_s = time.monotonic()
         self._loop = loop
         self._engine = engine

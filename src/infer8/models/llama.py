@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.layers.elementwise import ElementwiseOps, TorchElementwise
 from infer8.layers.parallel import lm_head, row_parallel_linear, vocab_embedding
 from infer8.models.config_check import check_hf_config_fields
+
+if TYPE_CHECKING:
+    from infer8.lora.slots import LoRAStep
 
 logger = logging.getLogger(__name__)
 
@@ -196,18 +199,23 @@ class DecoderLayer(nn.Module):
         cache: LayerKVCache,
         ops: ElementwiseOps,
         backend: AttentionBackend,
+        lora: LoRAStep | None = None,
+        layer_index: int = 0,
     ) -> torch.Tensor:
         """Run one layer on the residual stream x (updated in place); return its MLP output.
 
         `pending` is the previous layer's MLP output, not yet added to x: each residual add
         happens inside the next norm's pass (vLLM's fused add + RMSNorm). Submodules are read
         for their weights only, with no module call in between (a layer's Python glue is a
-        visible share of a small model's decode step on CPU).
+        visible share of a small model's decode step on CPU). `lora`: the step's adapters,
+        added to each projection's output (None: the base model alone).
         """
         attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
         t = x.shape[0]
         h = ops.rms_norm(x, norm.weight, norm.eps, pending)
         qkv = attn.qkv_proj.forward(h)
+        if lora is not None:
+            lora.add("qkv", layer_index, h, qkv)
         heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         # q and k heads rotate in one pass (half the small element-wise ops of a decode step)
         qk = ops.rope_(qkv[:, : attn.q_size + attn.kv_size].view(t, heads + kv_heads, d), cos, sin)
@@ -215,10 +223,20 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :heads], qk[:, heads:]
         if attn.k_offset is not None:
             k.sub_(attn.k_offset)
-        o = backend.write_and_attend(q, k, v, cache, attn_metadata, attn.scale)
+        o = backend.write_and_attend(q, k, v, cache, attn_metadata, attn.scale).reshape(t, -1)
         norm = self.post_attention_layernorm
-        h = ops.rms_norm(x, norm.weight, norm.eps, attn.o_proj.forward(o.reshape(t, -1)))
-        return mlp.down_proj.forward(ops.silu_and_mul(mlp.gate_up_proj.forward(h)))
+        if lora is None:
+            h = ops.rms_norm(x, norm.weight, norm.eps, attn.o_proj.forward(o))
+            return mlp.down_proj.forward(ops.silu_and_mul(mlp.gate_up_proj.forward(h)))
+        o_out = attn.o_proj.forward(o)
+        lora.add("o", layer_index, o, o_out)
+        h = ops.rms_norm(x, norm.weight, norm.eps, o_out)
+        gate_up = mlp.gate_up_proj.forward(h)
+        lora.add("gate_up", layer_index, h, gate_up)
+        act = ops.silu_and_mul(gate_up)
+        down = mlp.down_proj.forward(act)
+        lora.add("down", layer_index, act, down)
+        return down
 
 
 class LlamaForCausalLM(nn.Module):
@@ -312,11 +330,13 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[LayerKVCache],
         attn_metadata: Any = None,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         """Return final hidden states [num_tokens, hidden] for input_ids [num_tokens].
 
         attn_metadata: the backend's metadata of this step where the caller built it (a CUDA
-        graph's static buffers); else the backend builds it from `meta` here, once.
+        graph's static buffers); else the backend builds it from `meta` here, once. lora: the
+        step's LoRA adapters (None: the base model for every token).
         """
         backend = self.attention_backend
         assert backend is not None, "set_attention_backend before the first forward"
@@ -326,8 +346,14 @@ class LlamaForCausalLM(nn.Module):
         cos = self.cos_table[positions]  # [num_tokens, head_dim / 2]
         sin = self.sin_table[positions]
         ops, pending = self.ops, None
-        for layer, cache in zip(self.layers, kv_caches):
-            pending = layer.forward(x, pending, cos, sin, attn_metadata, cache, ops, backend)
+        if lora is None:
+            for layer, cache in zip(self.layers, kv_caches):
+                pending = layer.forward(x, pending, cos, sin, attn_metadata, cache, ops, backend)
+        else:
+            for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+                pending = layer.forward(
+                    x, pending, cos, sin, attn_metadata, cache, ops, backend, lora, i
+                )
         return ops.rms_norm(x, self.norm.weight, self.norm.eps, pending)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from infer8.attention.metadata import (
 )
 from infer8.core.exact_tail_seats import TailSeat
 from infer8.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from infer8.lora.config import LoRARequest
+from infer8.lora.slots import LoRAManager, LoRAStep, lora_requests_of
 from infer8.models.llama import LlamaForCausalLM
 from infer8.worker.block_tables import BlockTables
 from infer8.worker.kv_offload import HostKVCache
@@ -46,6 +48,7 @@ class ModelRunner:
         host_kv_cache: HostKVCache | None = None,
         structured_output: StructuredOutputManager | None = None,
         sampler: Sampler | None = None,
+        lora_manager: LoRAManager | None = None,
     ) -> None:
         # A tensor-parallel worker (is_driver False) runs the model but leaves sampling to rank 0.
         self.is_driver = is_driver
@@ -68,6 +71,9 @@ class ModelRunner:
         self.has_tail = bool(
             self.exact_tail_tokens and kv_caches and kv_caches[0].tail_store is not None
         )
+        # --enable-lora: the adapters' slots, and each running request's adapter
+        self.lora_manager = lora_manager
+        self.req_loras: dict[str, LoRARequest] = {}
         # speculative decoding: the ring slots a step's drafts overwrite, until verified
         self.ring_backup = TailRingBackup(self.exact_tail_tokens - 1) if self.has_tail else None
 
@@ -120,6 +126,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (after a failed step): states and block rows."""
         self.states.clear()
+        self.req_loras.clear()
         self.block_tables.clear()
         if self.ring_backup is not None:
             self.ring_backup.clear()
@@ -145,6 +152,7 @@ class ModelRunner:
             self.ring_backup.restore(self.kv_caches, sched.new_token_ids, gone)
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
+            self.req_loras.pop(req_id, None)
         for req_id in sched.finished_req_ids + sched.preempted_req_ids:
             self.block_tables.remove(req_id)
         self._transfer_host_blocks(sched)
@@ -157,6 +165,8 @@ class ModelRunner:
             self.states[new.req_id] = SamplingState(
                 p, list(new.prompt_token_ids), [], gen, list(new.eos_token_ids)
             )
+            if new.lora_request is not None:
+                self.req_loras[new.req_id] = new.lora_request
         if sched.is_empty:
             return ModelRunnerOutput()
 
@@ -199,10 +209,15 @@ class ModelRunner:
             self._add_tail_metadata(sched, meta)
         ids_t = to_device(np.asarray(input_ids, dtype=np.int64), self.device)
         pos_t = to_device(positions, self.device)
-        if self.graph_runner is not None and self.graph_runner.can_run(meta, len(input_ids)):
+        lora = self._lora_step(sched, len(input_ids)) if self.req_loras else None
+        if (
+            lora is None
+            and self.graph_runner is not None
+            and self.graph_runner.can_run(meta, len(input_ids))
+        ):
             hidden = self.graph_runner.run(ids_t, pos_t, meta)  # a captured CUDA-graph decode
         else:
-            hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
+            hidden = self.model(ids_t, pos_t, meta, self.kv_caches, lora=lora)
         sample_rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
         if not sample_rows:
             return ModelRunnerOutput()
@@ -232,6 +247,20 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[req_id] = lp
         return out
+
+    def _lora_step(self, sched: SchedulerOutput, num_tokens: int) -> LoRAStep | None:
+        """Return the step's adapters, each in a slot (None when no scheduled request has one)."""
+        loras = [self.req_loras.get(s.req_id) for s in sched.scheduled]
+        if self.lora_manager is None or not any(loras):
+            return None
+        lora_to_slot = self.lora_manager.activate(lora_requests_of(loras))
+        token_slots = np.full(num_tokens, -1, np.int64)  # static padding: the base model
+        start = 0
+        for s, lora in zip(sched.scheduled, loras):
+            if lora is not None:
+                token_slots[start : start + s.num_new_tokens] = lora_to_slot[lora.lora_int_id]
+            start += s.num_new_tokens
+        return self.lora_manager.step(token_slots)
 
     def _verify(
         self,

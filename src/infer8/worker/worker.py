@@ -26,6 +26,7 @@ from infer8.distributed.parallel_state import TensorParallelGroup
 from infer8.distributed.sharding import TensorParallelShard
 from infer8.host_memory import HostMemory
 from infer8.kernels.cpu import NativeKernels
+from infer8.lora.slots import LoRAManager, LoRASlots
 from infer8.models.llama import LlamaArchConfig, LlamaForCausalLM
 from infer8.models.loader import load_model, read_model_config
 from infer8.quant import fp8
@@ -149,6 +150,18 @@ class Worker:
             # keys less their k bias's mean rotation: exact for attention, and the FP8 scale
             # then follows what varies (Qwen2's bias puts offsets of 100-200 in a few channels)
             model.set_key_offsets(model_config.max_model_len)
+        # --enable-lora: the adapters' device slots are buffers of the model, so the KV budget
+        # counts them with the weights
+        self.lora_manager: LoRAManager | None = None
+        if config.lora_config is not None:
+            lora = config.lora_config
+            arch_config = LlamaArchConfig.from_hf_config(self.hf_config)
+            model.lora_slots = LoRASlots(
+                arch_config, lora.max_loras, lora.max_lora_rank, model_config.dtype, device
+            )
+            self.lora_manager = LoRAManager(
+                model.lora_slots, arch_config, lora, model_config.dtype, device
+            )
         kv_bytes = self._kv_budget_bytes(model, model_config)
         # one exact-tail ring per seat, out of the KV budget; never more seats than the rest
         # holds blocks (a small budget would otherwise go to rings)
@@ -191,6 +204,7 @@ class Worker:
             exact_tail=self.kv_spec,
             host_kv_cache=self.host_kv_cache,
             structured_output=structured_output if self.is_driver else None,
+            lora_manager=self.lora_manager,
             # CPU logits (float32 from compute_logits): the native argmax and candidates
             sampler=Sampler(
                 device, model_config.seed,

@@ -21,6 +21,7 @@ from infer8.entrypoints.openai.vllm_compat import (
     apply_vllm_compat,
     parse_json_list,
 )
+from infer8.lora.config import LoRAModulePath
 from infer8.version import __version__
 
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
@@ -78,12 +79,25 @@ class ServerConfig:
     # Tool calling (vLLM's flags): "auto" tool choice parses the model's calls with this parser.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # LoRA adapters served from start-up (`name=path` or vLLM's JSON form; needs --enable-lora),
+    # and /v1/load_lora_adapter + /v1/unload_lora_adapter (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also turns them on).
+    lora_modules: tuple[str, ...] | None = None
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if isinstance(self.api_key, list):
             object.__setattr__(self, "api_key", tuple(self.api_key))
+        if isinstance(self.lora_modules, list | str):
+            modules = (
+                [self.lora_modules] if isinstance(self.lora_modules, str) else self.lora_modules
+            )
+            object.__setattr__(self, "lora_modules", tuple(modules))
+        names = [LoRAModulePath.parse(text).name for text in self.lora_modules or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules: an adapter name appears twice in {names}")
         keys = (self.api_key,) if isinstance(self.api_key, str) else self.api_key or ()
         if any(not key for key in keys):
             raise ValueError("api_key must not be empty")
@@ -196,6 +210,11 @@ _SERVER_HELP: dict[str, str] = {
     "address (no DNS rebinding)",
     "enable_auto_tool_choice": 'let the model choose to call tools (tool_choice "auto")',
     "tool_call_parser": "how to read the model's tool calls: hermes or llama3_json",
+    "lora_modules": "LoRA adapters to serve (needs --enable-lora): name=path, or "
+    '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "base"}\'; '
+    "a request picks one by its name in `model`",
+    "allow_runtime_lora_updating": "serve /v1/load_lora_adapter and /v1/unload_lora_adapter "
+    "(behind --api-key when one is set); also enabled by VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
 }
 
 
@@ -205,6 +224,10 @@ def _field_type(cls: type, name: str) -> type:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     return hint
+
+
+# flags that take one or more values, and their metavar
+_LIST_FLAGS = {"api_key": "KEY", "lora_modules": "NAME=PATH"}
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -225,11 +248,11 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         choices = _SERVER_CHOICES.get(f.name)
         group.add_argument(
             "--" + f.name.replace("_", "-"),
-            type=str if f.name == "api_key" else _field_type(ServerConfig, f.name),
-            nargs="+" if f.name == "api_key" else None,
+            type=str if f.name in _LIST_FLAGS else _field_type(ServerConfig, f.name),
+            nargs="+" if f.name in _LIST_FLAGS else None,
             default=default,
             choices=choices,
-            metavar=("KEY" if f.name == "api_key" else f.name.upper()) if choices is None else None,
+            metavar=_LIST_FLAGS.get(f.name, f.name.upper()) if choices is None else None,
             help=help_,
         )
 
@@ -275,6 +298,13 @@ def serve_args_from(ns: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
             parse_json_list(values[name], "--" + name.replace("_", "-"))
     if os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0", "false", "False"):
         values["enable_server_dev_mode"] = True
+    if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "") in ("1", "true", "True"):
+        values["allow_runtime_lora_updating"] = True
+    if (
+        values["lora_modules"] or values["allow_runtime_lora_updating"]
+    ) and not engine_args.enable_lora:
+        flag = "--lora-modules" if values["lora_modules"] else "runtime LoRA updating"
+        raise ValueError(f"{flag} needs --enable-lora")
     server_config = ServerConfig(**values)
     server_config.api_keys()  # a missing or empty key file: refused before anything loads
     return engine_args, server_config

@@ -434,6 +434,20 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is accepted and unused)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
 class ModelList(BaseModel):
     """GET /v1/models."""
 

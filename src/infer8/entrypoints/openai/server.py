@@ -39,11 +39,13 @@ from infer8.entrypoints.openai.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from infer8.entrypoints.openai.request_limits import (
     default_max_body_bytes,
@@ -58,6 +60,7 @@ from infer8.entrypoints.openai.vllm_compat import parse_json_list
 from infer8.entrypoints.request_group import EngineDeadError, RequestGroup
 from infer8.entrypoints.sse import SSEResponse, wait_for_disconnect
 from infer8.entrypoints.supervision import SupervisionConfig
+from infer8.lora.config import LoRAModulePath, LoRARequest
 from infer8.metrics import EngineMetrics
 from infer8.version import __version__
 
@@ -132,7 +135,11 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     """Return the app serving one engine; the engine thread runs for the app's lifespan."""
     config = server_config or ServerConfig()
     model_name = engine.served_model_name  # never a filesystem path unless the user typed one
-    metrics = EngineMetrics(model_name, engine.cache_config, engine.num_blocks)
+    lora_config = engine.lora_config
+    metrics = EngineMetrics(
+        model_name, engine.cache_config, engine.num_blocks,
+        max_loras=None if lora_config is None else lora_config.max_loras,
+    )  # fmt: skip
     step_timeout_s = config.engine_step_timeout_s or default_step_timeout_s(engine)
     supervision = SupervisionConfig(step_timeout_s, config.max_engine_restarts)
     engine_client = AsyncLLMEngine(engine, metrics, config.max_waiting_requests, supervision)
@@ -227,10 +234,60 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    for text in config.lora_modules or ():  # --lora-modules: checked before serving
+        module = LoRAModulePath.parse(text)
+        engine.add_lora(
+            LoRARequest(module.name, engine.new_lora_id(), module.path, module.base_model_name)
+        )
+
     @app.get("/v1/models", responses=_errors(401))
     async def list_models() -> JSONResponse:
         card = ModelCard(id=model_name, root=model_name, max_model_len=engine.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [card] + [
+            ModelCard(
+                id=lora.lora_name,
+                root=lora.lora_path,
+                parent=lora.base_model_name or model_name,
+                max_model_len=engine.max_model_len,
+            )  # fmt: skip
+            for lora in engine.list_loras()
+        ]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    if config.allow_runtime_lora_updating:  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+
+        @app.post("/v1/load_lora_adapter", responses=_errors(400, 401, 404))
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+            """Serve a PEFT adapter under a new name (checked against the model first)."""
+            if body.lora_name == model_name or any(
+                lora.lora_name == body.lora_name for lora in engine.list_loras()
+            ):
+                raise APIError(
+                    400, f"The lora adapter '{body.lora_name}' has already been loaded.",
+                    param="lora_name", code="lora_adapter_exists",
+                )  # fmt: skip
+            lora = LoRARequest(body.lora_name, engine.new_lora_id(), body.lora_path)
+            try:
+                await asyncio.to_thread(engine.add_lora, lora)
+            except ValueError as e:
+                raise APIError(400, str(e), param="lora_path") from None
+            return PlainTextResponse(
+                f"Success: LoRA adapter '{body.lora_name}' added successfully."
+            )
+
+        @app.post("/v1/unload_lora_adapter", responses=_errors(400, 401, 404))
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+            """Stop serving an adapter; its running requests finish with it."""
+            for lora in engine.list_loras():
+                if lora.lora_name == body.lora_name:
+                    engine.remove_lora(lora.lora_int_id)
+                    return PlainTextResponse(
+                        f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+                    )
+            raise APIError(
+                404, f"The lora adapter '{body.lora_name}' cannot be found.",
+                param="lora_name", code="lora_adapter_not_found",
+            )  # fmt: skip
 
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:

@@ -33,6 +33,7 @@ from infer8.entrypoints.request_group import (
     RequestFailedError,
     RequestGroup,
 )
+from infer8.lora.config import LoRARequest
 from infer8.outputs import CompletionOutput, Logprobs, RequestOutput
 from infer8.sampling_params import RequestOutputKind, SamplingParams
 
@@ -88,15 +89,22 @@ class OpenAIServing:
             self.tokenizer.template_budget = dataclasses.replace(budget, max_chars=fits_chars)
 
     # -- shared validation ------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        """Refuse a model name this server does not serve (404, as OpenAI answers)."""
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """Return the LoRA adapter a request's `model` names (None: the base model); refuse a
+        name this server does not serve (404, as OpenAI answers)."""
+        if model is None or model == self.model_name:
+            return None
+        for lora in self.engine_client.engine.list_loras():
+            if lora.lora_name == model:
+                return lora
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist. This server serves `{self.model_name}`"
+            + "".join(f", `{lora.lora_name}`" for lora in self.engine_client.engine.list_loras())
+            + ".",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """Refuse token ids outside the model's vocabulary."""
@@ -174,14 +182,17 @@ class OpenAIServing:
         loop: asyncio.AbstractEventLoop,
         tenant: str | None = None,
         priority: int = 0,
+        model: str | None = None,
     ) -> tuple[str, RequestGroup]:
         request_id = f"{kind}-{uuid.uuid4().hex}"
         cache_salt = tenant_salt(tenant, cache_salt)
         self.check_priority(priority)
+        lora_request = self.check_model(model)
         try:
             group = self.engine_client.add_requests(
-                request_id, prompts, params, cache_salt, loop, priority=priority
-            )
+                request_id, prompts, params, cache_salt, loop, priority=priority,
+                lora_request=lora_request,
+            )  # fmt: skip
         except EngineOverloadedError as e:
             if self.engine_client.metrics is not None:
                 self.engine_client.metrics.on_rejected()

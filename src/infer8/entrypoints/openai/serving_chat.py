@@ -102,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
             p.structured_outputs = constraint
         request_id, group = self._submit(
             "chatcmpl", [token_ids] * n, params, request.cache_salt, loop, tenant,
-            priority=request.priority,
+            priority=request.priority, model=request.model,
         )  # fmt: skip
         return Submission(request_id, group, len(token_ids), *usage_flags(request), tools=tools)
 

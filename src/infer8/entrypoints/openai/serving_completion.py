@@ -73,8 +73,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         text if text is not None else self.tokenizer.decode(token_ids)
                     )
         request_id, group = self._submit(
-            "cmpl", prompts, params, request.cache_salt, loop, tenant, priority=request.priority
-        )
+            "cmpl", prompts, params, request.cache_salt, loop, tenant, priority=request.priority,
+            model=request.model,
+        )  # fmt: skip
         return Submission(
             request_id,
             group,

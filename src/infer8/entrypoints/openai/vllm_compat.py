@@ -193,8 +193,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
         "weight offloading is not implemented",
         ok_values=("0", "0.0"),
     ),
-    CompatFlag("--enable-lora", "refused", "LoRA adapters are not supported", takes_value=False),
-    CompatFlag("--lora-modules", "refused", "LoRA adapters are not supported"),
     CompatFlag(
         "--enable-sleep-mode", "refused", "sleep mode is not implemented", takes_value=False
     ),
@@ -267,6 +265,12 @@ NATIVE_FLAGS: tuple[tuple[str, str], ...] = (
         "as in vLLM for the ngram and suffix methods (num_speculative_tokens, "
         "prompt_lookup_min/max, suffix_decoding_*, disable_by_batch_size); methods that need a "
         "draft model or head are refused by name",
+    ),
+    (
+        "--enable-lora, --lora-modules, --max-loras, --max-lora-rank, --max-cpu-loras",
+        "as in vLLM: PEFT adapters (q/k/v/o/gate/up/down, rsLoRA) mixed in one batch; "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True or --allow-runtime-lora-updating serves "
+        "/v1/load_lora_adapter and /v1/unload_lora_adapter; not yet with tensor parallelism",
     ),
     ("--disable-fastapi-docs, --disable-uvicorn-access-log, --root-path", "as in vLLM"),
     ("--ssl-keyfile, --ssl-certfile", "HTTPS, as in vLLM"),

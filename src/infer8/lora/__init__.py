@@ -1,0 +1,1 @@
+"""Multi-LoRA serving: adapters, slots and the batched low-rank products."""

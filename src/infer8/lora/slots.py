@@ -1,0 +1,257 @@
+"""Device slots for LoRA adapters, the host cache that fills them, and a step's low-rank products.
+
+Each fused projection keeps, per layer, A stacked as [max_loras, max_rank x n, in] and B
+(transposed, scaled) as [max_loras, max_rank x n, out] for its n PEFT modules (q/k/v: 3,
+gate/up: 2), rank-major: row j x n + i is rank j of module i, so the slots' largest loaded
+rank r reads the first r x n rows and an oversized --max-lora-rank costs memory, not time. A
+module an adapter leaves out, or ranks past its own, are zeros. B's rows of one module touch
+only its own output columns, so one product per fused projection computes all its modules.
+
+A step's tokens pick their slot (LoRAMapping). On CPU the products are grouped by slot: the
+tokens of each adapter in the step gathered into one padded batch, two batched matmuls over
+the slots in use and one scatter-add (the segment / gathered matmul idea of Punica), or a
+plain pair of matmuls when every token of the step uses one adapter. On CUDA a Triton kernel
+reads each token's slot (lora/triton_ops.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer8.lora.config import LoRAConfig, LoRARequest
+from infer8.lora.peft import LoRAWeights, module_shapes, read_adapter
+from infer8.models.llama import LlamaArchConfig
+
+logger = logging.getLogger(__name__)
+
+# fused projection -> its PEFT modules in output order
+FUSED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+class LoRASlots(nn.Module):
+    """Owns the adapters' device tensors: A and B of every fused projection, per layer and slot
+    (buffers, so the KV budget counts them with the weights)."""
+
+    def __init__(
+        self,
+        arch: LlamaArchConfig,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.max_loras, self.max_rank = max_loras, max_rank
+        shapes = module_shapes(arch)
+        # PEFT module -> (fused projection, its place i among the n, output columns [start, end))
+        self.placement: dict[str, tuple[str, int, int, int]] = {}
+        self.slot_ranks = [0] * max_loras  # the rank of each slot's adapter (0: empty)
+        for fused, modules in FUSED_MODULES.items():
+            in_features = shapes[modules[0]][0]
+            start = 0
+            for i, module in enumerate(modules):
+                out = shapes[module][1]
+                self.placement[module] = (fused, i, start, start + out)
+                start += out
+            rows = len(modules) * max_rank
+            layers = arch.num_hidden_layers
+            # [layers, max_loras, rows, in] and [layers, max_loras, rows, out]
+            self.register_buffer(f"a_{fused}", torch.zeros(layers, max_loras, rows, in_features,
+                                 dtype=dtype, device=device), persistent=False)  # fmt: skip
+            self.register_buffer(f"b_{fused}", torch.zeros(layers, max_loras, rows, start,
+                                 dtype=dtype, device=device), persistent=False)  # fmt: skip
+
+    def tensors(self, fused: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return A [max_loras, rows, in] and B [max_loras, rows, out] of one layer."""
+        return getattr(self, f"a_{fused}")[layer], getattr(self, f"b_{fused}")[layer]
+
+    @torch.inference_mode()
+    def load(self, slot: int, weights: LoRAWeights) -> None:
+        """Write an adapter into a slot (what it leaves out is zero)."""
+        for fused in FUSED_MODULES:
+            getattr(self, f"a_{fused}")[:, slot].zero_()
+            getattr(self, f"b_{fused}")[:, slot].zero_()
+        for (layer, module), (a, b) in weights.modules.items():
+            fused, i, col, col_end = self.placement[module]
+            n, rank = len(FUSED_MODULES[fused]), a.shape[0]
+            dst_a, dst_b = self.tensors(fused, layer)
+            dst_a[slot, i : i + n * rank : n].copy_(a)  # rows j * n + i, j < rank
+            dst_b[slot, i : i + n * rank : n, col:col_end].copy_(b.t())
+        self.slot_ranks[slot] = weights.rank
+
+
+@dataclass
+class LoRAMapping:
+    """Which slot each token of a step uses, in the form the step's products read.
+
+    One of: `slot` (every token one adapter), `slot_ids` (CUDA: int32 [num_tokens], -1 for
+    the base model), or the grouped form: `gather` [num_slots x group] token indices,
+    `valid` [num_slots, group, 1] (0 for padding) over slots [first_slot, first_slot +
+    num_slots).
+    """
+
+    rank: int  # the largest rank among the step's adapters: rows [0, rank x n) are read
+    slot: int | None = None
+    slot_ids: torch.Tensor | None = None
+    gather: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    first_slot: int = 0
+    num_slots: int = 0
+    group: int = 0
+
+
+def build_mapping(
+    token_slots: np.ndarray, device: torch.device, dtype: torch.dtype, rank: int
+) -> LoRAMapping | None:
+    """Return a step's mapping from each token's slot (-1: base model) for adapters of rank
+    at most `rank`; None if no token has an adapter."""
+    active = token_slots >= 0
+    if not active.any():
+        return None
+    if device.type == "cuda":
+        slot_ids = torch.from_numpy(token_slots.astype(np.int32)).to(device)
+        return LoRAMapping(rank, slot_ids=slot_ids)
+    slots = np.unique(token_slots[active])
+    if len(slots) == 1 and active.all():
+        return LoRAMapping(rank, slot=int(slots[0]))
+    first, num_slots = int(slots[0]), int(slots[-1] - slots[0] + 1)
+    tokens = np.flatnonzero(active)
+    rel = token_slots[tokens] - first
+    order = np.argsort(rel, kind="stable")
+    counts = np.bincount(rel, minlength=num_slots)
+    group = int(counts.max())
+    starts = np.cumsum(counts) - counts
+    pos = np.arange(len(tokens)) - np.repeat(starts, counts)  # place within its slot's group
+    gather = np.zeros(num_slots * group, np.int64)  # padding reads token 0, scaled by 0
+    valid = np.zeros(num_slots * group, np.float32)
+    flat = rel[order] * group + pos
+    gather[flat] = tokens[order]
+    valid[flat] = 1.0
+    return LoRAMapping(
+        rank,
+        gather=torch.from_numpy(gather),
+        valid=torch.from_numpy(valid).to(dtype).view(num_slots, group, 1),
+        first_slot=first,
+        num_slots=num_slots,
+        group=group,
+    )
+
+
+class LoRAStep:
+    """A step's adapters for the model: adds each token's low-rank product to a projection."""
+
+    def __init__(
+        self,
+        slots: LoRASlots,
+        mapping: LoRAMapping,
+        cuda_add: Callable[..., None] | None = None,
+    ) -> None:
+        self.slots, self.mapping, self.cuda_add = slots, mapping, cuda_add
+
+    def add(self, fused: str, layer: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += x @ A_s.T @ B_s for each token's slot s, in place (x [t, in], y [t, out])."""
+        a, b = self.slots.tensors(fused, layer)
+        m = self.mapping
+        rows = m.rank * len(FUSED_MODULES[fused])
+        a, b = a[:, :rows], b[:, :rows]
+        if m.slot is not None:
+            y.addmm_(F.linear(x, a[m.slot]), b[m.slot])
+        elif m.slot_ids is not None:
+            assert self.cuda_add is not None
+            self.cuda_add(x, y, a, b, m.slot_ids)
+        else:
+            assert m.gather is not None and m.valid is not None
+            lo, hi = m.first_slot, m.first_slot + m.num_slots
+            xg = x.index_select(0, m.gather).view(m.num_slots, m.group, -1)
+            h = torch.bmm(xg, a[lo:hi].transpose(1, 2)).mul_(m.valid)  # [slots, group, rows]
+            y.index_add_(0, m.gather, torch.bmm(h, b[lo:hi]).view(m.num_slots * m.group, -1))
+
+
+class LoRAManager:
+    """Owns which adapter is in which slot and a host cache of loaded adapters (LRU both)."""
+
+    def __init__(
+        self,
+        slots: LoRASlots,
+        arch: LlamaArchConfig,
+        config: LoRAConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.slots, self.arch, self.config = slots, arch, config
+        self.dtype, self.device = dtype, device
+        self.host_cache: OrderedDict[int, LoRAWeights] = OrderedDict()
+        self.slot_to_id: list[int | None] = [None] * config.max_loras
+        self.id_to_slot: dict[int, int] = {}
+        self.slot_lru: OrderedDict[int, None] = OrderedDict()  # ids in slots, oldest first
+        self.cuda_add: Callable[..., None] | None = None
+        if device.type == "cuda":
+            from infer8.lora.triton_ops import triton_lora_add
+
+            self.cuda_add = triton_lora_add
+
+    def _weights(self, lora: LoRARequest) -> LoRAWeights:
+        weights = self.host_cache.get(lora.lora_int_id)
+        if weights is None:
+            weights = read_adapter(lora.lora_path, self.arch, self.config.max_lora_rank, self.dtype)
+            self.host_cache[lora.lora_int_id] = weights
+            while len(self.host_cache) > self.config.num_cpu_loras:
+                self.host_cache.popitem(last=False)
+        self.host_cache.move_to_end(lora.lora_int_id)
+        return weights
+
+    def activate(self, loras: Iterable[LoRARequest]) -> dict[int, int]:
+        """Put every adapter of a step in a slot; return lora_int_id -> slot."""
+        needed = {lora.lora_int_id: lora for lora in loras}
+        assert len(needed) <= self.config.max_loras, "more adapters in a step than --max-loras"
+        for lora_id, lora in needed.items():
+            if lora_id not in self.id_to_slot:
+                slot = self._free_slot(needed)
+                self.slots.load(slot, self._weights(lora))
+                old = self.slot_to_id[slot]
+                if old is not None:
+                    del self.id_to_slot[old]
+                    self.slot_lru.pop(old, None)
+                self.slot_to_id[slot], self.id_to_slot[lora_id] = lora_id, slot
+            self.slot_lru[lora_id] = None
+            self.slot_lru.move_to_end(lora_id)
+        return {lora_id: self.id_to_slot[lora_id] for lora_id in needed}
+
+    def _free_slot(self, needed: dict[int, LoRARequest]) -> int:
+        """Return the lowest empty slot, else the least recently used one no step adapter holds."""
+        for slot, lora_id in enumerate(self.slot_to_id):
+            if lora_id is None:
+                return slot
+        for lora_id in self.slot_lru:
+            if lora_id not in needed:
+                return self.id_to_slot[lora_id]
+        raise AssertionError("no slot to evict")  # len(needed) <= max_loras
+
+    def step(self, token_slots: np.ndarray) -> LoRAStep | None:
+        """Return the step's adapters for the model (None when no token uses one)."""
+        used = np.unique(token_slots[token_slots >= 0])
+        rank = max((self.slots.slot_ranks[s] for s in used), default=0)
+        mapping = build_mapping(token_slots, self.device, self.dtype, rank)
+        return None if mapping is None else LoRAStep(self.slots, mapping, self.cuda_add)
+
+
+def lora_requests_of(loras: Iterable[LoRARequest | None]) -> list[LoRARequest]:
+    """Return the distinct adapters among a step's requests' (in first-seen order)."""
+    seen: dict[int, LoRARequest] = {}
+    for lora in loras:
+        if lora is not None:
+            seen.setdefault(lora.lora_int_id, lora)
+    return list(seen.values())
