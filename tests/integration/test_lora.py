@@ -256,3 +256,38 @@ def test_default_model_adapters_match_transformers_and_peft(tmp_path: Path) -> N
         assert out.outputs[0].token_ids == hf_reference(base, adapter, prompt, 16)[0], lora
     plain = llm.generate(prompts[:2], params, use_tqdm=False)
     assert any(a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(outs, plain))
+
+
+@pytest.mark.browser
+def test_console_chat_picks_an_adapter(model_dir: Path, adapters: list[Path]) -> None:
+    """The chat page lists the base model and each adapter (with its parent); picking one
+    sends its name as `model`."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Chromium is not installed (scripts/setup.sh installs it)")
+    config = ServerConfig(lora_modules=(f"tuned={adapters[0]}",))
+    running = start_server(_engine(model_dir, served_model_name="tiny-base"), config)
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=chromium, headless=True)
+            page = browser.new_page()
+            bodies: list[dict[str, Any]] = []
+            page.on("request", lambda r: bodies.append(json.loads(r.post_data or "{}"))
+                    if r.url.endswith("/v1/chat/completions") else None)  # fmt: skip
+            page.goto(running.url + "/")
+            page.wait_for_selector("#model-select option >> nth=1", state="attached")
+            options = page.eval_on_selector_all("#model-select option", "els => els.map(e => e.textContent)")
+            assert options == ["tiny-base", "tuned (LoRA on tiny-base)"]
+            page.select_option("#model-select", "tuned")
+            page.fill("#max-tokens", "4")
+            page.fill("#prompt", "hello")
+            page.click("#send")
+            page.wait_for_selector("#stop", state="hidden", timeout=20_000)
+            browser.close()
+        assert bodies and bodies[-1]["model"] == "tuned"
+    finally:
+        stop_server(running)

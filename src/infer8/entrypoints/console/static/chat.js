@@ -178,6 +178,15 @@ async function send(text) {
 document.addEventListener("DOMContentLoaded", async () => {
   const models = await infer8.unlock();
   chat.model = models.data[0].id;
+  // the base model first, then each LoRA adapter (named with its parent)
+  const select = $("model-select");
+  for (const card of models.data) {
+    const option = document.createElement("option");
+    option.value = card.id;
+    option.textContent = card.parent ? `${card.id} (LoRA on ${card.parent})` : card.id;
+    select.appendChild(option);
+  }
+  select.addEventListener("change", () => { chat.model = select.value; });
   loadDefaults();
   const prompt = $("prompt");
   $("composer").addEventListener("submit", (event) => {
