@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from infer8.lora.config import LoRAConfig, LoRARequest
@@ -59,6 +58,9 @@ class LoRASlots(nn.Module):
         # PEFT module -> (fused projection, its place i among the n, output columns [start, end))
         self.placement: dict[str, tuple[str, int, int, int]] = {}
         self.slot_ranks = [0] * max_loras  # the rank of each slot's adapter (0: empty)
+        self._views: dict[
+            tuple[int, int, int, bool], dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
+        ] = {}
         for fused, modules in FUSED_MODULES.items():
             in_features = shapes[modules[0]][0]
             start = 0
@@ -74,6 +76,28 @@ class LoRASlots(nn.Module):
             self.register_buffer(f"b_{fused}", torch.zeros(layers, max_loras, rows, start,
                                  dtype=dtype, device=device), persistent=False)  # fmt: skip
 
+    def views(
+        self, first: int, end: int, rank: int, squeeze: bool
+    ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Return, per fused projection and layer, A^T and B of slots [first, end) over the
+        rows of rank `rank` ([in, rows] and [rows, out] for one slot with `squeeze`, else
+        [slots, in, rows] and [slots, rows, out]); cached until a slot is loaded again."""
+        key = (first, end, rank, squeeze)
+        cached = self._views.get(key)
+        if cached is not None:
+            return cached
+        views: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for fused, modules in FUSED_MODULES.items():
+            rows = rank * len(modules)
+            a_all, b_all = getattr(self, f"a_{fused}"), getattr(self, f"b_{fused}")
+            views[fused] = []
+            for layer in range(a_all.shape[0]):
+                a = a_all[layer, first:end, :rows].transpose(1, 2)
+                b = b_all[layer, first:end, :rows]
+                views[fused].append((a[0], b[0]) if squeeze else (a, b))
+        self._views[key] = views
+        return views
+
     def tensors(self, fused: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return A [max_loras, rows, in] and B [max_loras, rows, out] of one layer."""
         return getattr(self, f"a_{fused}")[layer], getattr(self, f"b_{fused}")[layer]
@@ -81,6 +105,7 @@ class LoRASlots(nn.Module):
     @torch.inference_mode()
     def load(self, slot: int, weights: LoRAWeights) -> None:
         """Write an adapter into a slot (what it leaves out is zero)."""
+        self._views.clear()
         for fused in FUSED_MODULES:
             getattr(self, f"a_{fused}")[:, slot].zero_()
             getattr(self, f"b_{fused}")[:, slot].zero_()
@@ -151,7 +176,12 @@ def build_mapping(
 
 
 class LoRAStep:
-    """A step's adapters for the model: adds each token's low-rank product to a projection."""
+    """A step's adapters for the model: adds each token's low-rank product to a projection.
+
+    The per-layer views of the slots it reads are made once per slot contents and rank
+    (LoRASlots.views): a decode step makes 4 x num_layers of these calls, where a few tensor
+    views each would be a visible share of the products' own time.
+    """
 
     def __init__(
         self,
@@ -159,25 +189,31 @@ class LoRAStep:
         mapping: LoRAMapping,
         cuda_add: Callable[..., None] | None = None,
     ) -> None:
-        self.slots, self.mapping, self.cuda_add = slots, mapping, cuda_add
+        self.mapping, self.cuda_add = mapping, cuda_add
+        m = mapping
+        if m.slot is not None:
+            self.views = slots.views(m.slot, m.slot + 1, m.rank, squeeze=True)
+        elif m.slot_ids is not None:
+            self.views = slots.views(0, slots.max_loras, m.rank, squeeze=False)
+        else:
+            self.views = slots.views(
+                m.first_slot, m.first_slot + m.num_slots, m.rank, squeeze=False
+            )
 
     def add(self, fused: str, layer: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += x @ A_s.T @ B_s for each token's slot s, in place (x [t, in], y [t, out])."""
-        a, b = self.slots.tensors(fused, layer)
+        a_t, b = self.views[fused][layer]
         m = self.mapping
-        rows = m.rank * len(FUSED_MODULES[fused])
-        a, b = a[:, :rows], b[:, :rows]
         if m.slot is not None:
-            y.addmm_(F.linear(x, a[m.slot]), b[m.slot])
+            y.addmm_(torch.mm(x, a_t), b)
         elif m.slot_ids is not None:
             assert self.cuda_add is not None
-            self.cuda_add(x, y, a, b, m.slot_ids)
+            self.cuda_add(x, y, a_t.transpose(1, 2), b, m.slot_ids)
         else:
             assert m.gather is not None and m.valid is not None
-            lo, hi = m.first_slot, m.first_slot + m.num_slots
             xg = x.index_select(0, m.gather).view(m.num_slots, m.group, -1)
-            h = torch.bmm(xg, a[lo:hi].transpose(1, 2)).mul_(m.valid)  # [slots, group, rows]
-            y.index_add_(0, m.gather, torch.bmm(h, b[lo:hi]).view(m.num_slots * m.group, -1))
+            h = torch.bmm(xg, a_t).mul_(m.valid)  # [slots, group, rows]
+            y.index_add_(0, m.gather, torch.bmm(h, b).view(m.num_slots * m.group, -1))
 
 
 class LoRAManager:
