@@ -280,7 +280,9 @@ def test_console_chat_picks_an_adapter(model_dir: Path, adapters: list[Path]) ->
                     if r.url.endswith("/v1/chat/completions") else None)  # fmt: skip
             page.goto(running.url + "/")
             page.wait_for_selector("#model-select option >> nth=1", state="attached")
-            options = page.eval_on_selector_all("#model-select option", "els => els.map(e => e.textContent)")
+            options = page.eval_on_selector_all(
+                "#model-select option", "els => els.map(e => e.textContent)"
+            )
             assert options == ["tiny-base", "tuned (LoRA on tiny-base)"]
             page.select_option("#model-select", "tuned")
             page.fill("#max-tokens", "4")

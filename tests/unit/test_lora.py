@@ -183,3 +183,70 @@ def test_serve_flags(tmp_path: Path) -> None:
         parser.parse_args(["m", "--lora-modules", "a=/x"])  # without --enable-lora
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--enable-lora", "--lora-modules", "a=/x", "a=/y"])  # twice
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_equals_the_reference(dtype: torch.dtype) -> None:
+    """csrc/lora.c over tokens of three slots and the base, interleaved (blocks of one adapter
+    end at a slot change or after four tokens), fused modules of odd widths and a rank below
+    the slots': each row gets its own slot's x A^T B (float32 arithmetic, y rounded once),
+    base rows stay bit for bit."""
+    from infer8.kernels.cpu import NativeKernels
+
+    native = NativeKernels.load()
+    if native is None:
+        pytest.skip("no C compiler: the torch path serves LoRA")
+    gen = torch.Generator().manual_seed(1)
+    arch = LlamaArchConfig.from_hf_config(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=40, intermediate_size=56,
+        num_hidden_layers=1, num_attention_heads=5, num_key_value_heads=1,
+        max_position_embeddings=64, head_dim=8,
+    ))  # fmt: skip
+    slots = LoRASlots(
+        arch, max_loras=3, max_rank=8, dtype=torch.float32, device=torch.device("cpu")
+    )
+    for fused, cols in slots.cols.items():  # module i's rows (j * n + i) reach its columns only
+        a, b = getattr(slots, f"a_{fused}"), getattr(slots, f"b_{fused}")
+        a.copy_(torch.randn(a.shape, generator=gen))
+        n = len(cols) - 1
+        for i in range(n):
+            b[:, :, i::n, cols[i] : cols[i + 1]] = torch.randn(
+                b[:, :, i::n, cols[i] : cols[i + 1]].shape, generator=gen
+            )
+    token_slots = np.array([0, 0, 0, 0, 0, 2, -1, 1, 1, 2, 2, -1, 0])
+    step = LoRAStep(
+        slots, build_mapping(token_slots, torch.device("cpu"), torch.float32, 5, native=True),
+        native=native.elementwise,
+    )  # fmt: skip
+    for fused, (in_features, out_features) in {
+        "qkv": (40, 56),
+        "gate_up": (40, 112),
+        "down": (56, 40),
+    }.items():
+        x = torch.randn(13, in_features, generator=gen).to(dtype)
+        y0 = torch.randn(13, out_features, generator=gen).to(dtype)
+        y = y0.clone()
+        step.add(fused, 0, x, y)
+        a, b = slots.tensors(fused, 0)
+        rows = 5 * len(slots.cols[fused]) - 5  # rank 5 x n modules
+        for t, s in enumerate(token_slots):
+            if s < 0:
+                assert torch.equal(y[t], y0[t])
+                continue
+            want = y0[t].double() + (x[t].double() @ a[s, :rows].double().T) @ b[s, :rows].double()
+            tol = 1e-4 if dtype == torch.float32 else 2.0**-7 * want.abs().max().item()
+            torch.testing.assert_close(y[t].double(), want, rtol=0, atol=tol)
+
+
+def test_bf16_slots_keep_float32_copies_for_the_kernel(tmp_path: Path) -> None:
+    """A bf16 model's slots hold each adapter twice: bf16 for the batched matmuls (prefill
+    chunks), float32 (not the bf16 values widened) for the CPU kernel."""
+    slots = LoRASlots(ARCH, max_loras=1, max_rank=4, dtype=torch.bfloat16,
+                      device=torch.device("cpu"), with_float32=True)  # fmt: skip
+    weights = read_adapter(write_adapter(tmp_path / "a", rank=4), ARCH, 8, torch.float32)
+    slots.load(0, weights)
+    qa = weights.modules[(0, "q_proj")][0]
+    a16, _ = slots.tensors("qkv", 0)
+    a32, _ = slots.float32_views()["qkv"][0]
+    assert a16.dtype == torch.bfloat16 and a32.dtype == torch.float32
+    assert torch.equal(a32[0, 0:12:3], qa) and torch.equal(a16[0, 0:12:3], qa.bfloat16())

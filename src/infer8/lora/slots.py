@@ -7,11 +7,13 @@ rank r reads the first r x n rows and an oversized --max-lora-rank costs memory,
 module an adapter leaves out, or ranks past its own, are zeros. B's rows of one module touch
 only its own output columns, so one product per fused projection computes all its modules.
 
-A step's tokens pick their slot (LoRAMapping). On CPU the products are grouped by slot: the
-tokens of each adapter in the step gathered into one padded batch, two batched matmuls over
-the slots in use and one scatter-add (the segment / gathered matmul idea of Punica), or a
-plain pair of matmuls when every token of the step uses one adapter. On CUDA a Triton kernel
-reads each token's slot (lora/triton_ops.py).
+A step's tokens pick their slot (LoRAMapping). On CPU a native kernel takes the step's
+adapter tokens sorted by slot, in blocks of one adapter that share each load of A and B
+(kernels/cpu/csrc/lora.c; the slots are float32 there). Without the native library the
+products are grouped by slot in torch: the tokens of each adapter gathered into one padded
+batch, two batched matmuls over the slots in use and one scatter-add (the segment / gathered
+matmul idea of Punica), or a plain pair of matmuls when every token uses one adapter. On CUDA a
+Triton kernel reads each token's slot (lora/triton_ops.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,7 +32,15 @@ from infer8.lora.config import LoRAConfig, LoRARequest
 from infer8.lora.peft import LoRAWeights, module_shapes, read_adapter
 from infer8.models.llama import LlamaArchConfig
 
+if TYPE_CHECKING:
+    from infer8.kernels.cpu.elementwise import NativeElementwise
+
 logger = logging.getLogger(__name__)
+
+# Steps of at most this many tokens run the CPU kernel (csrc/lora.c), larger ones batched
+# matmuls: on a 2-core Zen 4 at 64 rows the kernel took 0.5-1.0x the matmuls' time for one
+# adapter and 0.4-0.65x for four mixed; at 2,048 rows ~3x the matmuls'.
+NATIVE_MAX_TOKENS = 256
 
 # fused projection -> its PEFT modules in output order
 FUSED_MODULES: dict[str, tuple[str, ...]] = {
@@ -51,13 +62,20 @@ class LoRASlots(nn.Module):
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        with_float32: bool = False,
     ) -> None:
+        """`with_float32`: a float32 copy of every slot too, for the CPU kernel (the same
+        tensors for a float32 model)."""
         super().__init__()
         self.max_loras, self.max_rank = max_loras, max_rank
+        self.has_float32 = with_float32 or dtype == torch.float32
         shapes = module_shapes(arch)
         # PEFT module -> (fused projection, its place i among the n, output columns [start, end))
         self.placement: dict[str, tuple[str, int, int, int]] = {}
+        self.cols: dict[str, torch.Tensor] = {}  # fused -> its modules' column bounds [n + 1]
         self.slot_ranks = [0] * max_loras  # the rank of each slot's adapter (0: empty)
+        self.num_layers = arch.num_hidden_layers
+        self._float32_views: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._views: dict[
             tuple[int, int, int, bool], dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
         ] = {}
@@ -68,6 +86,8 @@ class LoRASlots(nn.Module):
                 out = shapes[module][1]
                 self.placement[module] = (fused, i, start, start + out)
                 start += out
+            bounds = [self.placement[m][2] for m in modules] + [start]
+            self.cols[fused] = torch.tensor(bounds, dtype=torch.int64)
             rows = len(modules) * max_rank
             layers = arch.num_hidden_layers
             # [layers, max_loras, rows, in] and [layers, max_loras, rows, out]
@@ -75,6 +95,10 @@ class LoRASlots(nn.Module):
                                  dtype=dtype, device=device), persistent=False)  # fmt: skip
             self.register_buffer(f"b_{fused}", torch.zeros(layers, max_loras, rows, start,
                                  dtype=dtype, device=device), persistent=False)  # fmt: skip
+            for name in (f"a_{fused}", f"b_{fused}"):
+                own = getattr(self, name)
+                copy = own if dtype == torch.float32 or not with_float32 else own.float()
+                self.register_buffer(name.replace("_", "32_", 1), copy, persistent=False)
 
     def views(
         self, first: int, end: int, rank: int, squeeze: bool
@@ -98,6 +122,19 @@ class LoRASlots(nn.Module):
         self._views[key] = views
         return views
 
+    def float32_views(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Return, per fused projection and layer, the float32 copies of A and B
+        ([max_loras, rows, in], [max_loras, rows, out]; with_float32), made once."""
+        if self._float32_views is None:
+            self._float32_views = {
+                fused: [
+                    (getattr(self, f"a32_{fused}")[layer], getattr(self, f"b32_{fused}")[layer])
+                    for layer in range(self.num_layers)
+                ]
+                for fused in FUSED_MODULES
+            }
+        return self._float32_views
+
     def tensors(self, fused: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return A [max_loras, rows, in] and B [max_loras, rows, out] of one layer."""
         return getattr(self, f"a_{fused}")[layer], getattr(self, f"b_{fused}")[layer]
@@ -107,14 +144,18 @@ class LoRASlots(nn.Module):
         """Write an adapter into a slot (what it leaves out is zero)."""
         self._views.clear()
         for fused in FUSED_MODULES:
-            getattr(self, f"a_{fused}")[:, slot].zero_()
-            getattr(self, f"b_{fused}")[:, slot].zero_()
+            for prefix in ("a_", "b_", "a32_", "b32_"):
+                getattr(self, f"{prefix}{fused}")[:, slot].zero_()
         for (layer, module), (a, b) in weights.modules.items():
             fused, i, col, col_end = self.placement[module]
             n, rank = len(FUSED_MODULES[fused]), a.shape[0]
             dst_a, dst_b = self.tensors(fused, layer)
             dst_a[slot, i : i + n * rank : n].copy_(a)  # rows j * n + i, j < rank
             dst_b[slot, i : i + n * rank : n, col:col_end].copy_(b.t())
+            if self.has_float32 and dst_a.dtype != torch.float32:
+                a32, b32 = self.float32_views()[fused][layer]
+                a32[slot, i : i + n * rank : n].copy_(a)
+                b32[slot, i : i + n * rank : n, col:col_end].copy_(b.t())
         self.slot_ranks[slot] = weights.rank
 
 
@@ -131,6 +172,7 @@ class LoRAMapping:
     rank: int  # the largest rank among the step's adapters: rows [0, rank x n) are read
     slot: int | None = None
     slot_ids: torch.Tensor | None = None
+    order: torch.Tensor | None = None  # CPU native: the adapter tokens, sorted by slot
     gather: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     first_slot: int = 0
@@ -139,13 +181,22 @@ class LoRAMapping:
 
 
 def build_mapping(
-    token_slots: np.ndarray, device: torch.device, dtype: torch.dtype, rank: int
+    token_slots: np.ndarray,
+    device: torch.device,
+    dtype: torch.dtype,
+    rank: int,
+    native: bool = False,
 ) -> LoRAMapping | None:
     """Return a step's mapping from each token's slot (-1: base model) for adapters of rank
-    at most `rank`; None if no token has an adapter."""
+    at most `rank` (`native`: for the CPU kernel); None if no token has an adapter."""
     active = token_slots >= 0
     if not active.any():
         return None
+    if native:
+        tokens = np.flatnonzero(active)
+        order = tokens[np.argsort(token_slots[tokens], kind="stable")]
+        slot_ids = torch.from_numpy(token_slots.astype(np.int32))
+        return LoRAMapping(rank, slot_ids=slot_ids, order=torch.from_numpy(order.astype(np.int64)))
     if device.type == "cuda":
         slot_ids = torch.from_numpy(token_slots.astype(np.int32)).to(device)
         return LoRAMapping(rank, slot_ids=slot_ids)
@@ -188,10 +239,14 @@ class LoRAStep:
         slots: LoRASlots,
         mapping: LoRAMapping,
         cuda_add: Callable[..., None] | None = None,
+        native: NativeElementwise | None = None,
     ) -> None:
-        self.mapping, self.cuda_add = mapping, cuda_add
+        self.mapping, self.cuda_add, self.native = mapping, cuda_add, native
+        self.cols = slots.cols
         m = mapping
-        if m.slot is not None:
+        if m.order is not None:
+            self.native_tensors = slots.float32_views()
+        elif m.slot is not None:
             self.views = slots.views(m.slot, m.slot + 1, m.rank, squeeze=True)
         elif m.slot_ids is not None:
             self.views = slots.views(0, slots.max_loras, m.rank, squeeze=False)
@@ -202,8 +257,13 @@ class LoRAStep:
 
     def add(self, fused: str, layer: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += x @ A_s.T @ B_s for each token's slot s, in place (x [t, in], y [t, out])."""
-        a_t, b = self.views[fused][layer]
         m = self.mapping
+        if m.order is not None:
+            assert self.native is not None and m.slot_ids is not None
+            a, b = self.native_tensors[fused][layer]
+            self.native.lora_add(x, y, a, b, m.order, m.slot_ids, m.rank, self.cols[fused])
+            return
+        a_t, b = self.views[fused][layer]
         if m.slot is not None:
             y.addmm_(torch.mm(x, a_t), b)
         elif m.slot_ids is not None:
@@ -226,9 +286,12 @@ class LoRAManager:
         config: LoRAConfig,
         dtype: torch.dtype,
         device: torch.device,
+        native: NativeElementwise | None = None,
     ) -> None:
+        """`dtype`: the model's; `native`: the CPU kernels' element-wise passes (their LoRA
+        kernel reads the slots' float32 copies)."""
         self.slots, self.arch, self.config = slots, arch, config
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.native = dtype, device, native
         self.host_cache: OrderedDict[int, LoRAWeights] = OrderedDict()
         self.slot_to_id: list[int | None] = [None] * config.max_loras
         self.id_to_slot: dict[int, int] = {}
@@ -242,7 +305,10 @@ class LoRAManager:
     def _weights(self, lora: LoRARequest) -> LoRAWeights:
         weights = self.host_cache.get(lora.lora_int_id)
         if weights is None:
-            weights = read_adapter(lora.lora_path, self.arch, self.config.max_lora_rank, self.dtype)
+            # float32 on the host: each slot copy rounds once to its own dtype
+            weights = read_adapter(
+                lora.lora_path, self.arch, self.config.max_lora_rank, torch.float32
+            )
             self.host_cache[lora.lora_int_id] = weights
             while len(self.host_cache) > self.config.num_cpu_loras:
                 self.host_cache.popitem(last=False)
@@ -280,8 +346,17 @@ class LoRAManager:
         """Return the step's adapters for the model (None when no token uses one)."""
         used = np.unique(token_slots[token_slots >= 0])
         rank = max((self.slots.slot_ranks[s] for s in used), default=0)
-        mapping = build_mapping(token_slots, self.device, self.dtype, rank)
-        return None if mapping is None else LoRAStep(self.slots, mapping, self.cuda_add)
+        # the CPU kernel at decode sizes; batched matmuls past them (a prefill chunk's rows
+        # make the matmuls efficient, where the kernel reads A and B again per four tokens)
+        native = (
+            self.native is not None
+            and self.device.type == "cpu"
+            and len(token_slots) <= NATIVE_MAX_TOKENS
+        )
+        mapping = build_mapping(token_slots, self.device, self.dtype, rank, native)
+        if mapping is None:
+            return None
+        return LoRAStep(self.slots, mapping, self.cuda_add, self.native if native else None)
 
 
 def lora_requests_of(loras: Iterable[LoRARequest | None]) -> list[LoRARequest]:

@@ -156,12 +156,15 @@ class Worker:
         if config.lora_config is not None:
             lora = config.lora_config
             arch_config = LlamaArchConfig.from_hf_config(self.hf_config)
+            # float32 copies of the slots for the CPU kernel (csrc/lora.c)
             model.lora_slots = LoRASlots(
-                arch_config, lora.max_loras, lora.max_lora_rank, model_config.dtype, device
-            )
+                arch_config, lora.max_loras, lora.max_lora_rank, model_config.dtype, device,
+                with_float32=native is not None,
+            )  # fmt: skip
             self.lora_manager = LoRAManager(
-                model.lora_slots, arch_config, lora, model_config.dtype, device
-            )
+                model.lora_slots, arch_config, lora, model_config.dtype, device,
+                None if native is None else native.elementwise,
+            )  # fmt: skip
         kv_bytes = self._kv_budget_bytes(model, model_config)
         # one exact-tail ring per seat, out of the KV budget; never more seats than the rest
         # holds blocks (a small budget would otherwise go to rings)

@@ -23,6 +23,7 @@ _SOURCES = (
     _CSRC / "band_attention.c",
     _CSRC / "two_value_attention.c",
     _CSRC / "sampling.c",
+    _CSRC / "lora.c",
     _CSRC / "args.c",
 )
 # -fno-trapping-math: no FP exception is ever observed, so branch-free selects vectorize (the

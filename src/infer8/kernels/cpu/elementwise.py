@@ -67,3 +67,36 @@ class NativeElementwise:
         bf16 = int(x.dtype == torch.bfloat16)
         self.lib.rope(x.data_ptr(), x.stride(0), n, heads, d, cos.data_ptr(), sin.data_ptr(), bf16)
         return x
+
+    # -- multi-LoRA (csrc/lora.c) -----------------------------------------------------------
+    def lora_add(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        order: torch.Tensor,
+        slot_ids: torch.Tensor,
+        rank: int,
+        cols: torch.Tensor,
+    ) -> None:
+        """y[t] += (x[t] A_s^T) B_s in place for the tokens t in `order` (sorted by their slot
+        s = slot_ids[t] >= 0).
+
+        a [slots, rows, in], b [slots, rows, out]: LoRASlots' float32 rank-major rows, of
+        which the first rank x n are read (n = len(cols) - 1 modules, module i writing
+        columns [cols[i], cols[i + 1])); x, y float32 or bf16, rows may be strided.
+        """
+        _, in_features = x.shape
+        out_features = y.shape[1]
+        n = cols.numel() - 1
+        assert x.stride(1) == y.stride(1) == 1 and x.dtype == y.dtype
+        assert a.dtype == b.dtype == torch.float32 and a.stride(2) == b.stride(2) == 1
+        assert a.stride(1) == in_features and b.stride(1) == out_features
+        assert 0 < rank * n <= 1024 and order.dtype == cols.dtype == torch.int64
+        assert slot_ids.dtype == torch.int32 and slot_ids.is_contiguous() and order.is_contiguous()
+        self.lib.lora_add(
+            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), a.stride(0),
+            b.data_ptr(), b.stride(0), order.data_ptr(), slot_ids.data_ptr(), order.numel(),
+            in_features, out_features, n, rank, cols.data_ptr(), int(x.dtype == torch.bfloat16),
+        )  # fmt: skip

@@ -34,6 +34,9 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "greedy_rows": (_P, _I64, _I64, _F32, _P),
     "nucleus_candidates": (_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P),
     "rope": (_P, _I64, _I64, _I64, _I64, _P, _P, _I32),
+    "lora_add": (
+        _P, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I32,
+    ),
     "band_attention": (
         _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I32,
         _P, _P,
