@@ -293,3 +293,22 @@ def test_console_chat_picks_an_adapter(model_dir: Path, adapters: list[Path]) ->
         assert bodies and bodies[-1]["model"] == "tuned"
     finally:
         stop_server(running)
+
+
+def test_bench_lora_groups_run_and_report(model_dir: Path, tmp_path: Path) -> None:
+    """`infer8 bench lora`'s pieces: random adapters the checker accepts, a mixed group's W1
+    through them, and the table."""
+    from infer8.bench.lora import _run_group, format_lora, write_random_adapter
+    from infer8.lora.peft import read_adapter
+    from infer8.models.llama import LlamaArchConfig
+    from infer8.models.loader import read_hf_config
+
+    arch = LlamaArchConfig.from_hf_config(read_hf_config(model_dir))
+    paths = [str(write_random_adapter(arch, tmp_path / f"r{i}", 4, seed=i)) for i in range(2)]
+    assert read_adapter(paths[0], arch, 4).target_modules == TARGETS
+    args = EngineArgs(model=str(model_dir), dtype="float32", kv_cache_memory_bytes=1 << 22,
+                      max_num_batched_tokens=512)  # fmt: skip
+    row = _run_group(args, "2 adapters", paths, num_requests=4, use_tqdm=False)
+    assert row["num_adapters"] == 2 and row["output_tok_s"] > 0
+    result = {"rows": [{**row, "round": 0, "ratio": 1.0}], "rank": 4, "num_requests": 4}
+    assert "| 0 | 2 adapters |" in format_lora(result)

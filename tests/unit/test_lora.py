@@ -250,3 +250,30 @@ def test_bf16_slots_keep_float32_copies_for_the_kernel(tmp_path: Path) -> None:
     a32, _ = slots.float32_views()["qkv"][0]
     assert a16.dtype == torch.bfloat16 and a32.dtype == torch.float32
     assert torch.equal(a32[0, 0:12:3], qa) and torch.equal(a16[0, 0:12:3], qa.bfloat16())
+
+
+def test_prefix_blocks_and_kv_events_are_keyed_by_adapter() -> None:
+    """The same tokens under two adapters and the base hash to three chains; each BlockStored
+    names its adapter (vLLM's lora_id / lora_name) on the wire."""
+    import msgspec
+
+    from infer8.core.kv_cache_manager import KVCacheManager
+    from infer8.kv_events import KVEventEncoder
+    from infer8.request import Request
+    from infer8.sampling_params import SamplingParams
+
+    kv = KVCacheManager(16, 4, enable_caching=True, enable_kv_cache_events=True)
+    loras = [LoRARequest("sql", 1, "/a"), LoRARequest("chat", 2, "/b"), None]
+    hashes = []
+    for i, lora in enumerate(loras):
+        request = Request(
+            f"r{i}", list(range(8)), SamplingParams(max_tokens=1), [0], lora_request=lora
+        )
+        assert kv.find_prefix(request)[0] == []  # no chain of another adapter is a hit
+        assert kv.allocate_slots(request, 8) is not None
+        hashes.append(tuple(kv.block_hashes(request, 2)))
+    assert len(set(hashes)) == 3
+    events = kv.block_pool.take_events()
+    assert [(e.lora_id, e.lora_name) for e in events] == [(1, "sql"), (2, "chat"), (None, None)]
+    wire = msgspec.msgpack.decode(KVEventEncoder().encode(events[:1], 0.0))
+    assert (wire[1][0]["lora_id"], wire[1][0]["lora_name"]) == (1, "sql")
