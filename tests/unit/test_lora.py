@@ -277,3 +277,22 @@ def test_prefix_blocks_and_kv_events_are_keyed_by_adapter() -> None:
     assert [(e.lora_id, e.lora_name) for e in events] == [(1, "sql"), (2, "chat"), (None, None)]
     wire = msgspec.msgpack.decode(KVEventEncoder().encode(events[:1], 0.0))
     assert (wire[1][0]["lora_id"], wire[1][0]["lora_name"]) == (1, "sql")
+
+
+def test_host_tier_events_name_the_adapter() -> None:
+    """A block of an adapter evicted to the host tier is announced there with its adapter."""
+    from infer8.core.kv_cache_manager import KVCacheManager
+    from infer8.core.kv_events import MEDIUM_HOST
+    from infer8.request import Request
+    from infer8.sampling_params import SamplingParams
+
+    kv = KVCacheManager(4, 4, enable_caching=True, enable_kv_cache_events=True, num_host_blocks=8)
+    params = SamplingParams(max_tokens=1)
+    first = Request("a", list(range(8)), params, [0], lora_request=LoRARequest("sql", 3, "/a"))
+    assert kv.allocate_slots(first, 8) is not None
+    kv.free("a")
+    second = Request("b", list(range(50, 66)), params, [0])  # takes every block: A's are evicted
+    assert kv.allocate_slots(second, 16) is not None
+    host = [e for e in kv.block_pool.take_events() if getattr(e, "medium", None) == MEDIUM_HOST]
+    stored = [e for e in host if hasattr(e, "lora_id")]
+    assert stored and all((e.lora_id, e.lora_name) == (3, "sql") for e in stored)

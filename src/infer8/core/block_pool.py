@@ -172,6 +172,7 @@ class BlockPool:
                         block_hashes[i - 1] if i else parent_block_hash,
                         list(block_token_ids[i]),
                         block_extra_keys[i] if block_extra_keys else None,
+                        lora,
                     )
             self._record_stored(
                 newly_cached, block_hashes, parent_block_hash, block_token_ids, block_extra_keys,

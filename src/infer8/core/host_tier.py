@@ -23,11 +23,13 @@ from infer8.core.kv_events import MEDIUM_HOST, BlockHash, BlockRemoved, BlockSto
 
 @dataclass(frozen=True)
 class BlockContent:
-    """What an evicted block held, for its BlockStored event: parent, tokens, extra keys."""
+    """What an evicted block held, for its BlockStored event: parent, tokens, extra keys, and
+    the LoRA adapter (id, name) that computed it."""
 
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     extra_keys: tuple[object, ...] | None
+    lora: tuple[int, str] | None = None
 
 
 @dataclass
@@ -110,6 +112,8 @@ class HostKVTier:
                     block_size=len(content.token_ids),
                     extra_keys=[content.extra_keys],
                     medium=MEDIUM_HOST,
+                    lora_id=None if content.lora is None else content.lora[0],
+                    lora_name=None if content.lora is None else content.lora[1],
                 )
             )
 
