@@ -229,8 +229,9 @@ class LLMEngine:
                     f"({known.lora_path})"
                 )
             return
-        if any(lora.lora_name == lora_request.lora_name for lora in self.loras.values()):
-            raise ValueError(f"a LoRA adapter named {lora_request.lora_name!r} is already loaded")
+        name = lora_request.lora_name
+        if name == self.served_model_name or self.lora_by_name(name) is not None:
+            raise ValueError(f"The lora adapter '{name}' has already been loaded.")
         assert self._lora_arch is not None
         read_adapter(lora_request.lora_path, self._lora_arch, self.lora_config.max_lora_rank)
         self.loras[lora_request.lora_int_id] = lora_request
@@ -244,6 +245,10 @@ class LLMEngine:
         """Stop accepting requests for an adapter (running ones finish with it); return
         whether it was known."""
         return self.loras.pop(lora_int_id, None) is not None
+
+    def lora_by_name(self, name: str) -> LoRARequest | None:
+        """Return the adapter requests name `name` (None: no such adapter)."""
+        return next((lora for lora in self.loras.values() if lora.lora_name == name), None)
 
     def list_loras(self) -> list[LoRARequest]:
         """Return the adapters requests may use."""

@@ -189,12 +189,13 @@ def test_server_lora_modules_models_requests_metrics_and_runtime_updates(
         post = lambda path, body: httpx.post(f"{running.url}{path}", json=body, timeout=30)  # noqa: E731
         bad = post("/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(model_dir)})
         assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
-        assert (
-            post(
-                "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapters[2])}
-            ).status_code
-            == 400
-        )
+        for taken in ("a", base):  # an adapter's name, the served model's
+            dup = post("/v1/load_lora_adapter", {"lora_name": taken, "lora_path": str(adapters[2])})
+            assert dup.status_code == 400, dup.text
+            assert (
+                dup.json()["error"]["message"]
+                == f"The lora adapter '{taken}' has already been loaded."
+            )
         # a long request on c runs while c is unloaded: it finishes; new requests get 404
         ok = post("/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(adapters[2])})
         assert ok.status_code == 200, ok.text

@@ -52,11 +52,6 @@ class LoRAWeights:
     target_modules: list[str]
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    @property
-    def num_bytes(self) -> int:
-        """Return the host memory the tensors hold."""
-        return sum(a.nbytes + b.nbytes for a, b in self.modules.values())
-
 
 def _fail(path: Path, message: str) -> ValueError:
     return ValueError(f"LoRA adapter {str(path)!r}: {message}")

@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Steps of at most this many tokens run the CPU kernel (csrc/lora.c), larger ones batched
-# matmuls: on a 2-core Zen 4 at 64 rows the kernel took 0.5-1.0x the matmuls' time for one
-# adapter and 0.4-0.65x for four mixed; at 2,048 rows ~3x the matmuls'.
+# matmuls. At 64 rows (`python benchmarks/lora_products.py`, 2-core Zen 4) the kernel took
+# 0.96-1.12x the matmuls' time for one adapter and 0.57-0.62x for four mixed; in a W1 run its
+# prefill chunks of 2,048 rows took ~3x the matmuls' (it reads A and B again per four tokens).
 NATIVE_MAX_TOKENS = 256
 
 # fused projection -> its PEFT modules in output order

@@ -155,7 +155,7 @@ class Worker:
         self.lora_manager: LoRAManager | None = None
         if config.lora_config is not None:
             lora = config.lora_config
-            arch_config = LlamaArchConfig.from_hf_config(self.hf_config)
+            arch_config = model.config  # the whole model's: LoRA refuses tensor parallelism
             # float32 copies of the slots for the CPU kernel (csrc/lora.c)
             model.lora_slots = LoRASlots(
                 arch_config, lora.max_loras, lora.max_lora_rank, model_config.dtype, device,

@@ -258,19 +258,13 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
 
         @app.post("/v1/load_lora_adapter", responses=_errors(400, 401, 404))
         async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
-            """Serve a PEFT adapter under a new name (checked against the model first)."""
-            if body.lora_name == model_name or any(
-                lora.lora_name == body.lora_name for lora in engine.list_loras()
-            ):
-                raise APIError(
-                    400, f"The lora adapter '{body.lora_name}' has already been loaded.",
-                    param="lora_name", code="lora_adapter_exists",
-                )  # fmt: skip
+            """Serve a PEFT adapter under a new name (checked against the model first); a
+            name in use or an adapter that does not fit is a 400."""
             lora = LoRARequest(body.lora_name, engine.new_lora_id(), body.lora_path)
             try:
                 await asyncio.to_thread(engine.add_lora, lora)
             except ValueError as e:
-                raise APIError(400, str(e), param="lora_path") from None
+                raise APIError(400, str(e)) from None
             return PlainTextResponse(
                 f"Success: LoRA adapter '{body.lora_name}' added successfully."
             )
@@ -278,12 +272,12 @@ def create_app(engine: LLMEngine, server_config: ServerConfig | None = None) -> 
         @app.post("/v1/unload_lora_adapter", responses=_errors(400, 401, 404))
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
             """Stop serving an adapter; its running requests finish with it."""
-            for lora in engine.list_loras():
-                if lora.lora_name == body.lora_name:
-                    engine.remove_lora(lora.lora_int_id)
-                    return PlainTextResponse(
-                        f"Success: LoRA adapter '{body.lora_name}' removed successfully."
-                    )
+            lora = engine.lora_by_name(body.lora_name)
+            if lora is not None:
+                engine.remove_lora(lora.lora_int_id)
+                return PlainTextResponse(
+                    f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+                )
             raise APIError(
                 404, f"The lora adapter '{body.lora_name}' cannot be found.",
                 param="lora_name", code="lora_adapter_not_found",

@@ -94,9 +94,9 @@ class OpenAIServing:
         name this server does not serve (404, as OpenAI answers)."""
         if model is None or model == self.model_name:
             return None
-        for lora in self.engine_client.engine.list_loras():
-            if lora.lora_name == model:
-                return lora
+        lora = self.engine_client.engine.lora_by_name(model)
+        if lora is not None:
+            return lora
         raise APIError(
             404,
             f"The model `{model}` does not exist. This server serves `{self.model_name}`"
