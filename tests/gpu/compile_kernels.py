@@ -7,9 +7,13 @@ bundled ptxas) and launches nothing. The launchers run on CPU tensors of the rig
 shapes; their outputs are not computed. Prints one JSON line: the kernels compiled per
 configuration, or the first error.
 
-    python tests/gpu/compile_kernels.py --arch 90 [--configs ci]
+    python tests/gpu/compile_kernels.py --arch 90 [--configs ci] [--kernels decode --report]
 
-All 31 configurations for sm_90 take ~8 minutes on 2 CPU cores; `--configs ci` ~40 s.
+All 31 configurations for sm_90 take ~8 minutes on 2 CPU cores; `--configs ci` ~40 s;
+`--kernels decode` (the decode attention kernels alone, one split and four) ~2.5 minutes for
+all. --report adds, per decode kernel compiled, what the cubin asks of the GPU (tests/gpu/
+sass.py): registers and stack per thread, and decode_kernel's main loop: instructions per
+iteration and per context token, synchronous global loads and asynchronous copies.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ import traceback
 import torch
 
 
-def _install_compile_only_driver(arch: int) -> list[str]:
-    """Make every kernel launch compile for sm_<arch> and return; record the kernels' names."""
+def _install_compile_only_driver(arch: int) -> list[tuple[str, dict, object]]:
+    """Make every kernel launch compile for sm_<arch> and return; record each compiled kernel
+    as (name, launch keywords, compiled kernel)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
@@ -44,13 +49,13 @@ def _install_compile_only_driver(arch: int) -> list[str]:
             return torch.device("cpu")
 
     driver.set_active(CompileOnlyDriver())
-    compiled: list[str] = []
+    compiled: list[tuple[str, dict, object]] = []
     run = JITFunction.run
 
     def warmup_only(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         assert "cubin" in kernel.asm, f"{self.__name__}: no cubin"
-        compiled.append(self.__name__)
+        compiled.append((self.__name__, kwargs, kernel))
         return kernel
 
     JITFunction.run = warmup_only  # type: ignore[method-assign]
@@ -88,21 +93,19 @@ def _configs(arch: int, which: str):
                 yield model, cache, "static", True, False
 
 
-def _launch_all(model_dtype, cache_dtype, scales: str, tail: bool, rotate: bool) -> None:
+def _case(model_dtype, cache_dtype, scales: str, tail: bool, rotate: bool):
+    """Return (cache, metadata, q) of a step: two decodes and a chunk after a cached prefix."""
     from infer8.attention.exact_tail import build_tail_metadata
     from infer8.attention.kv_cache import KVCacheSpec, allocate_kv_cache
     from infer8.attention.metadata import build_attention_metadata
 
     dev = torch.device("cpu")
     kvh, group, d, bs = 2, 4, 128, 16
-    from infer8.attention.triton.backend import TritonAttention
-
     spec = KVCacheSpec(1, kvh, d, bs, cache_dtype, 8 if tail else 0, 4 if tail else 0, rotate,
                        kv_scale=scales)  # fmt: skip
     ones = [torch.ones(kvh, d)]
     static = (ones, ones) if scales == "static" else None
     cache = allocate_kv_cache(spec, 16, dev, 4 if tail else 0, static)[0]
-    # two decodes and a chunk after a cached prefix
     q_lens, computed = [1, 1, 20], [30, 5, 16]
     meta = build_attention_metadata(q_lens, computed, [[1, 2], [3], [4, 5, 6]], bs, dev)
     if tail:
@@ -110,13 +113,65 @@ def _launch_all(model_dtype, cache_dtype, scales: str, tail: bool, rotate: bool)
             8, 4, [0, 1, 2], [0, 0, 16], [(0, False), (1, False), (-1, False)], q_lens,
             computed, meta.decode_seq_ids, meta.decode_block_tables.shape[1] * bs, dev,
         )  # fmt: skip
-    n = meta.num_real_tokens
-    k = torch.zeros(n, kvh, d, dtype=model_dtype)
-    q = torch.zeros(n, kvh * group, d, dtype=model_dtype)
+    q = torch.zeros(meta.num_real_tokens, kvh * group, d, dtype=model_dtype)
+    return cache, meta, q
+
+
+def _launch_all(model_dtype, cache_dtype, scales: str, tail: bool, rotate: bool) -> None:
+    from infer8.attention.triton.backend import TritonAttention
+
+    cache, meta, q = _case(model_dtype, cache_dtype, scales, tail, rotate)
+    k = torch.zeros(q.shape[0], cache.k.shape[0], q.shape[2], dtype=model_dtype)
     for splits in (1, 4):
-        backend = TritonAttention(dev, num_splits=splits)
-        backend.write_and_attend(q, k, k, cache, backend.build_metadata(meta), d**-0.5)
+        backend = TritonAttention(torch.device("cpu"), num_splits=splits)
+        backend.write_and_attend(q, k, k, cache, backend.build_metadata(meta), q.shape[2] ** -0.5)
     _launch_lora(model_dtype)
+
+
+def _launch_decode(model_dtype, cache_dtype, scales: str, tail: bool, rotate: bool) -> None:
+    """Launch the decode attention kernels alone (one split and four), as the engine does."""
+    from infer8.attention.exact_tail import RESIDUAL_DTYPE
+    from infer8.attention.triton import launch
+    from infer8.attention.triton.backend import TritonAttention
+
+    cache, meta, q = _case(model_dtype, cache_dtype, scales, tail, rotate)
+    step = TritonAttention(torch.device("cpu")).build_metadata(meta)
+    tail_args = None
+    if tail:
+        n, kvh2 = q.shape[0], 2 * cache.k.shape[0]
+        new = (torch.zeros(n, kvh2, q.shape[2], dtype=RESIDUAL_DTYPE),
+               torch.zeros(n, kvh2, dtype=torch.bfloat16))  # fmt: skip
+        tail_args = launch.TailArgs(step.tail, new)
+    for splits in (1, 4):
+        launch.paged_decode_attention(
+            q, cache, torch.empty_like(q), step.decode_token_ids, step.decode_seq_lens,
+            step.decode_block_tables, q.shape[2] ** -0.5, splits, tail=tail_args,
+        )  # fmt: skip
+
+
+def _report(config: str, compiled: list[tuple[str, dict, object]]) -> list[dict]:
+    """Return what each decode kernel compiled for a configuration asks of the GPU."""
+    import sass
+
+    rows = []
+    for name, kwargs, kernel in compiled:
+        if not name.startswith("decode"):
+            continue
+        cubin = kernel.asm["cubin"]  # type: ignore[attr-defined]
+        registers, stack = sass.resource_usage(cubin)
+        row = {"config": config, "kernel": name, "direct": kwargs.get("DIRECT", False),
+               "registers": registers, "stack": stack}  # fmt: skip
+        if name == "decode_kernel":
+            main = sass.loops(cubin)[0]
+            warps = kwargs.get("num_warps", 4)
+            row.update(
+                loop_instructions=main.instructions,
+                per_token=main.instructions * warps / kwargs["BLOCK_N"],
+                sync_loads=main.sync_global_loads,
+                async_copies=main.async_copies,
+            )
+        rows.append(row)
+    return rows
 
 
 def _launch_lora(dtype: torch.dtype) -> None:
@@ -138,20 +193,33 @@ def main() -> int:
         "--configs", choices=["ci", "all"], default="all",
         help="all: every combination the engine launches; ci: one of each kernel branch",
     )  # fmt: skip
+    parser.add_argument(
+        "--kernels", choices=["all", "decode"], default="all",
+        help="decode: the decode attention kernels alone",
+    )  # fmt: skip
+    parser.add_argument("--report", action="store_true", help="registers and loops of decode")
     args = parser.parse_args()
     assert "TRITON_INTERPRET" not in os.environ, "run without TRITON_INTERPRET"
     compiled = _install_compile_only_driver(args.arch)
-    done = []
+    launch = _launch_decode if args.kernels == "decode" else _launch_all
+    done, names, report = [], set(), []
     for config in _configs(args.arch, args.configs):
         name = "/".join(str(c).replace("torch.", "") for c in config)
         try:
-            _launch_all(*config)
+            launch(*config)
         except Exception as e:  # noqa: BLE001 - reported, with its traceback
             traceback.print_exc()
             print(json.dumps({"arch": args.arch, "failed": name, "error": str(e)[-2000:]}))
             return 1
         done.append(name)
-    print(json.dumps({"arch": args.arch, "configs": done, "kernels": sorted(set(compiled))}))
+        names.update(kernel for kernel, _, _ in compiled)
+        if args.report:
+            report += _report(name, compiled)
+        compiled.clear()
+    result = {"arch": args.arch, "configs": done, "kernels": sorted(names)}
+    if args.report:
+        result["report"] = report
+    print(json.dumps(result))
     return 0
 
 

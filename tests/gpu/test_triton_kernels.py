@@ -14,6 +14,7 @@ sequence's end fails.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
 
 import pytest
@@ -234,11 +235,12 @@ def test_split_decode_and_static_scales_match_reference(static: str) -> None:
     _check_close(out, want, torch.bfloat16)
 
 
-def test_split_decode_rotates_once_per_token_not_in_every_split_program(
+def test_rotated_decode_rotates_once_per_token_not_in_the_split_programs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Rotated keys: one split rotates in its program; several rotate q before the kernel and
-    the output after the reduce (docs/benchmarks.md's roofline), with the same results."""
+    """Rotated keys: q is rotated once per token before the split kernel and the output once
+    after the reduce (docs/benchmarks.md's roofline), whatever the split count; the split
+    kernel carries no rotation."""
     torch.manual_seed(3)
     num_kv_heads, group, head_dim = 2, 3, 64
     spec = KVCacheSpec(1, num_kv_heads, head_dim, BLOCK_SIZE, torch.float8_e4m3fn, hadamard=True)
@@ -247,17 +249,28 @@ def test_split_decode_rotates_once_per_token_not_in_every_split_program(
     q = torch.randn(meta.num_real_tokens, num_kv_heads * group, head_dim, device=DEVICE)
     q = q.to(torch.bfloat16)
     want = attend_cache(q, cache, meta, head_dim**-0.5)
-    kernel, launches = triton_launch.decode_kernel, []
+    launches: list[tuple[str, object]] = []
 
-    class Recorder:
-        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-            def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
-                launches.append((grid[2], kwargs["ROTATE"]))
-                return kernel[grid](*args, **kwargs)
+    def recorder(name: str, kernel):  # type: ignore[no-untyped-def]
+        class Recorder:
+            def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+                def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
+                    launches.append((name, grid[2] if name == "decode" else kwargs.get("ROTATE")))
+                    return kernel[grid](*args, **kwargs)
 
-            return launch
+                return launch
 
-    monkeypatch.setattr(triton_launch, "decode_kernel", Recorder())
+        return Recorder()
+
+    monkeypatch.setattr(
+        triton_launch, "decode_kernel", recorder("decode", triton_launch.decode_kernel)
+    )
+    monkeypatch.setattr(
+        triton_launch, "reduce_kernel", recorder("reduce", triton_launch.reduce_kernel)
+    )
+    monkeypatch.setattr(
+        triton_launch, "rotate_q_kernel", recorder("rotate_q", triton_launch.rotate_q_kernel)
+    )
     config = triton_launch.KernelConfig(decode_block_n=16, decode_min_split_tokens=16)
     step = triton_backend.TritonAttention(DEVICE, config).build_metadata(meta)
     dec = meta.decode_token_ids
@@ -268,7 +281,9 @@ def test_split_decode_rotates_once_per_token_not_in_every_split_program(
             step.decode_block_tables, head_dim**-0.5, num_splits, config,
         )  # fmt: skip
         _check_close(out[dec], want[dec], torch.bfloat16)
-    assert launches == [(1, True), (4, False)]
+    assert [name for name, _ in launches] == ["rotate_q", "decode", "reduce"] * 2
+    assert [v for name, v in launches if name != "rotate_q"] == [1, True, 4, True]
+    assert "ROTATE" not in inspect.signature(_MODULES["decode"].decode_kernel.fn).parameters
 
 
 def test_split_rotated_decode_writes_only_the_decode_rows_with_kernels_alone() -> None:

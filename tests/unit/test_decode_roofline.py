@@ -36,13 +36,21 @@ def test_split_rotation_pads_query_heads_to_sixteen_per_program() -> None:
     assert cost.rotation_flops == 2 * 2 * (512 * 16) * 128 * 128
 
 
-def test_one_split_rotates_in_its_program_and_no_rotation_costs_nothing() -> None:
+def test_one_split_rotates_outside_too_and_no_rotation_costs_nothing() -> None:
     one = {**SHAPE, "num_splits": 1}
-    in_program = decode_cost(**one, rotated=True)
-    assert in_program == decode_cost(**one, rotated=True, rotate_in_splits=True)
-    assert in_program.rotation_flops == 2 * (512 * 8) * 2 * 16 * 128 * 128
+    outside = decode_cost(**one, rotated=True)
+    assert outside.rotation_flops == decode_cost(**SHAPE, rotated=True).rotation_flops
+    assert decode_cost(**one, rotated=True, rotate_in_splits=True).rotation_flops == (
+        2 * (512 * 8) * 2 * 16 * 128 * 128
+    )
     assert decode_cost(**one).rotation_flops == 0
     # no split partials with one split; 32 splits write and read 512 * 32 * 32 * 129 floats
     assert decode_cost(**one).other_bytes == 2 * 512 * 32 * 128 * 2
     split = decode_cost(**SHAPE)
     assert split.other_bytes == 2 * 512 * 32 * 128 * 2 + 2 * 512 * 32 * 32 * 129 * 4
+    # rotated, or with the exact tail (one more split), one split writes partials as well
+    qo = 2 * 512 * 32 * 128 * 2
+    rotation = qo + 2 * (512 * 2) * 128 * 128 * 4
+    assert outside.other_bytes == qo + 2 * 512 * 32 * 1 * 129 * 4 + rotation
+    with_tail = decode_cost(**SHAPE, tail=True)
+    assert with_tail.other_bytes == 2 * 512 * 32 * 128 * 2 + 2 * 512 * 32 * 33 * 129 * 4

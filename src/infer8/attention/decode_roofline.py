@@ -4,9 +4,9 @@ A roofline model from the shapes alone: what the kernels issue (tl.dot multiplie
 max(16, group) query rows per program, padding included) and what they move (the KV read from
 memory, the rest mostly from L2). With rotated keys (the FP8 default) it counts the Hadamard
 rotation of q and of the output where it runs: in every (sequence, KV head, split) program, as
-the kernels once did (`rotate_in_splits`), or with more than one split once per sequence in
-rotate_q_kernel before the decode kernel and in reduce_kernel after the combine, 16 query heads
-per program (tl.dot's smallest row count).
+the kernels once did (`rotate_in_splits`), or once per sequence in rotate_q_kernel before the
+decode kernel and in reduce_kernel after the combine, 16 query heads per program (tl.dot's
+smallest row count). With the exact tail, decode_tail_kernel writes one more split's partials.
 """
 
 from __future__ import annotations
@@ -53,13 +53,15 @@ def decode_cost(
     model_bytes_per_element: int = 2,
     rotated: bool = False,
     rotate_in_splits: bool = False,
+    tail: bool = False,
 ) -> DecodeCost:
     """Return one layer's decode FLOPs and bytes for num_seqs sequences of context_tokens.
 
     Every context uses all num_splits splits (long contexts do). rotate_in_splits: the
     rotation runs in each of the num_seqs x num_kv_heads x num_splits programs on BLOCK_G rows
-    (the kernels' old placement); otherwise where the kernels run it now: in the program with
-    one split; with several, in the q-rotation and reduce programs (each reads the matrix).
+    (the kernels' old placement); otherwise where the kernels run it now, in the q-rotation
+    and reduce programs (each reads the matrix). The output is written directly only with one
+    split, no tail and no rotation; otherwise every split (and the tail's) writes partials.
     """
     group = num_heads // num_kv_heads
     block_g = max(16, _next_power_of_2(group))
@@ -69,11 +71,13 @@ def decode_cost(
     kv_bytes = 2 * num_seqs * context_tokens * per_token_kv
     qo_bytes = 2 * num_seqs * num_heads * head_dim * model_bytes_per_element
     partial_bytes = 0
-    if num_splits > 1:  # float32 partial outputs and log-sum-exps, written then reduced
-        partial_bytes = 2 * num_seqs * num_heads * num_splits * (head_dim + 1) * F32_BYTES
+    num_slots = num_splits + tail
+    if num_slots > 1 or (rotated and not rotate_in_splits):
+        # float32 partial outputs and log-sum-exps, written then reduced
+        partial_bytes = 2 * num_seqs * num_heads * num_slots * (head_dim + 1) * F32_BYTES
     rotation_flops = rotation_bytes = 0
     matrix_bytes = head_dim * head_dim * F32_BYTES
-    if rotated and (rotate_in_splits or num_splits == 1):
+    if rotated and rotate_in_splits:
         programs = num_seqs * num_kv_heads * num_splits
         rotation_flops = 2 * programs * 2 * block_g * head_dim * head_dim
         rotation_bytes = 2 * programs * matrix_bytes

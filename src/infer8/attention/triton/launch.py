@@ -15,6 +15,7 @@ attention/reference.py); the engine itself uses this backend only on CUDA.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ import triton.language as tl
 
 from infer8.attention.exact_tail import rotate
 from infer8.attention.kv_cache import LayerKVCache
-from infer8.attention.triton.decode import decode_kernel, reduce_kernel
+from infer8.attention.triton.decode import decode_kernel, decode_tail_kernel, reduce_kernel
 from infer8.attention.triton.prefill import prefill_kernel
 from infer8.attention.triton.tail import (
     TritonTailStep,
@@ -50,13 +51,19 @@ class KernelConfig:
 
     decode_block_n: int = 64
     decode_num_warps: int = 4
-    decode_num_stages: int = 2
+    decode_num_stages: int = 5
     prefill_block_m: int = 64
     prefill_block_n: int = 64
     prefill_num_warps: int = 4
     prefill_num_stages: int = 2
     # A decode split streams at least this many context tokens (fewer splits for short ones).
     decode_min_split_tokens: int = 256
+    # decode_tail_kernel's tile: the exact tail's sinks and window, in tiles this long.
+    decode_tail_block_n: int = 16
+    # An fp32 model over an FP8 cache multiplies two fp16 terms of q and of p: twice the
+    # operand registers, spread over twice the warps.
+    decode_split_num_warps: int = 8
+    decode_tail_num_warps: int = 4
 
 
 @dataclass(frozen=True)
@@ -203,12 +210,13 @@ def paged_decode_attention(
 
     q, out: [num_tokens, num_heads, head_dim]; sequence b reads q[token_idx[b]] and writes
     out[token_idx[b]] (distinct rows). seq_lens: [B] int32 (0: padding, gets zeros);
-    block_tables: [B, max_blocks]. Each context is cut into at most num_splits splits
-    (flash-decoding). tail: the exact tail's step tables and this step's residuals
-    (tail.py). Rotated keys: with one split the program rotates q and its output; with
-    several, rotate_q_kernel rotates each sequence's q once into a compact buffer before the
-    split kernel, and reduce_kernel rotates the combined output before its one store
-    (rotating in every split program would cost num_splits times the work).
+    block_tables: [B, max_blocks] (int32, or int64). Each context is cut into at most
+    num_splits splits (flash-decoding). tail: the exact tail's step tables and this step's
+    residuals (tail.py): decode_tail_kernel reads the sinks and the window into one more
+    split. Rotated keys: rotate_q_kernel rotates each sequence's q once into a compact buffer
+    before the split kernels, and reduce_kernel rotates the combined output before its one
+    store (rotating in every split program would cost num_splits times the work). One split
+    without a tail or rotation writes the output directly.
     """
     config = config or KernelConfig()
     num_seqs = seq_lens.shape[0]
@@ -219,17 +227,18 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads and q.stride(-1) == 1 and out.stride(-1) == 1
     args = _cache_args(cache)
-    block_n = config.decode_block_n
-    min_split = config.decode_min_split_tokens
-    direct = num_splits == 1
+    if args.scale_mode == _DYNAMIC:  # read as 32-bit words of two tokens, K's and V's together
+        assert cache.block_size % 2 == 0 and args.k_scale.stride(0) % 2 == 0
+        assert (args.v_scale.data_ptr() - args.k_scale.data_ptr()) % 4 == 0
     rotation = cache.rotation
-    rotate_outside = rotation is not None and not direct
+    num_slots = num_splits + (tail is not None)
+    direct = num_slots == 1 and rotation is None
     block_d = max(16, triton.next_power_of_2(head_dim))
     # tl.dot multiplies at least 16 rows: the rotations take query heads 16 at a time
     block_h = 16
     rotated_q = q
-    if rotate_outside:  # the decode rows only: a mixed step's prefill rows are not read here
-        assert rotation is not None and rotation.is_contiguous()
+    if rotation is not None:  # the decode rows only: a mixed step's prefill rows are not read here
+        assert rotation.is_contiguous()
         rotated_q = torch.empty(
             (num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device
         )  # [num_seqs, num_heads, head_dim]
@@ -243,46 +252,69 @@ def paged_decode_attention(
         mid_strides: tuple[int, ...] = (0, 0, 0, 0, 0)
     else:
         mid_out = torch.empty(
-            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+            (num_seqs, num_heads, num_slots, head_dim), dtype=torch.float32, device=q.device
         )  # [B, H, S, D]
         mid_lse = torch.empty(
-            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device
+            (num_seqs, num_heads, num_slots), dtype=torch.float32, device=q.device
         )
         mid_strides = (*mid_out.stride()[:3], *mid_lse.stride()[:2])
-    decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        rotated_q, args.k, args.v, args.k_scale, args.v_scale, args.k_static, args.v_static,
-        out, mid_out, mid_lse, token_idx, seq_lens, block_tables,
-        scale * _LOG2E,
-        rotated_q.stride(0), rotated_q.stride(1), out.stride(0), out.stride(1), *args.strides,
-        block_tables.stride(0), *mid_strides, head_dim, min_split,
-        *_tail_args(cache, tail, "decode", q),
+    dot_dtype = _decode_dot_dtype(q.dtype, cache.k.dtype)
+    words = dot_dtype == tl.float16 and args.scale_mode != _NO_SCALE and head_dim % 4 == 0
+    split = dot_dtype == tl.float16 and q.dtype == torch.float32
+    tail_table = tail.step.decode if tail is not None else seq_lens
+    window = tail.step.window if tail is not None else 0
+    common = dict(
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
-        BLOCK_N=block_n,
         BLOCK_SIZE=cache.block_size,
         SCALE_MODE=args.scale_mode,
+        COMPACT_Q=rotation is not None,
+    )
+    decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        rotated_q, args.k, args.v, args.k_scale, args.k_static, args.v_static,
+        out, mid_out, mid_lse, token_idx, seq_lens, block_tables, tail_table,
+        scale * _LOG2E,
+        rotated_q.stride(0), rotated_q.stride(1), out.stride(0), out.stride(1), *args.strides,
+        block_tables.stride(0), *mid_strides, config.decode_min_split_tokens, window,
+        (args.v_scale.data_ptr() - args.k_scale.data_ptr()) // 4,
+        HEAD_DIM=head_dim,
+        BLOCK_N=config.decode_block_n,
+        TAIL_BLOCK_N=config.decode_tail_block_n,
         DIRECT=direct,
         PRECISION=_precision(q.dtype),
-        HAS_TAIL=tail is not None,
-        ROTATE=rotation is not None and direct,
-        COMPACT_Q=rotate_outside,
-        DOT_DTYPE=_dot_dtype(q.dtype),
-        num_warps=config.decode_num_warps,
+        DOT_DTYPE=dot_dtype,
+        SPLIT=split,
+        SKIP_TAIL=tail is not None,
+        WIDE=cache.k.stride(0) >= 2**31,
+        WORDS=words,
+        PTX_CVT=words and not is_interpreted() and _converts_fp8_pairs(),
+        num_warps=config.decode_split_num_warps if split else config.decode_num_warps,
         num_stages=config.decode_num_stages,
+        **common,
     )  # fmt: skip
+    if tail is not None:
+        decode_tail_kernel[(num_seqs, num_kv_heads)](
+            rotated_q, args.k, args.v, args.k_scale, args.v_scale, args.k_static, args.v_static,
+            mid_out, mid_lse, token_idx, seq_lens, block_tables, scale * _LOG2E,
+            rotated_q.stride(0), rotated_q.stride(1), *args.strides, block_tables.stride(0),
+            *mid_strides, head_dim, *_tail_args(cache, tail, "decode", q)[1:], num_splits,
+            BLOCK_N=config.decode_tail_block_n,
+            num_warps=config.decode_tail_num_warps,
+            num_stages=1,
+            **common,
+        )  # fmt: skip
     if not direct:
         # rotated values: the combined output stays float32 until it is rotated (one rounding)
-        grid_h = triton.cdiv(num_heads, block_h) if rotate_outside else num_heads
+        grid_h = triton.cdiv(num_heads, block_h) if rotation is not None else num_heads
         reduce_kernel[(num_seqs, grid_h)](
-            mid_out, mid_lse, out, token_idx, seq_lens,
+            mid_out, mid_lse, out, token_idx,
             rotation if rotation is not None else mid_out, *mid_strides,
-            out.stride(0), out.stride(1), num_heads, head_dim, num_splits, min_split,
-            BLOCK_N=block_n,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            out.stride(0), out.stride(1), num_heads, head_dim, num_slots,
+            BLOCK_S=triton.next_power_of_2(num_slots),
             BLOCK_D=block_d,
             BLOCK_H=block_h,
-            ROTATE=rotate_outside,
+            ROTATE=rotation is not None,
             X_MODE=X_MODES[out.dtype],
         )  # fmt: skip
 
@@ -347,6 +379,26 @@ def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
     if dtype == torch.bfloat16:
         return tl.float32 if is_interpreted() else tl.bfloat16
     return {torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+@functools.cache
+def _converts_fp8_pairs() -> bool:
+    """Return whether the target GPU widens two FP8 values in one instruction (sm_89+)."""
+    arch = triton.runtime.driver.active.get_current_target().arch
+    return isinstance(arch, int) and arch >= 89
+
+
+def _decode_dot_dtype(dtype: torch.dtype, cache_dtype: torch.dtype) -> tl.dtype:
+    """Return decode_kernel's tl.dot operand type: fp16 over an FP8 cache.
+
+    Every E4M3 / E5M2 value is an fp16 value and one instruction widens two of them, where
+    bf16 operands take three conversions per pair (E4M3 -> fp16 -> fp32 -> bf16). The query,
+    already scaled by the softmax scale, and the softmax weights (in [0, 1]) fit fp16 with
+    more mantissa than bf16's; an fp32 model's are split into two fp16 terms (SPLIT).
+    """
+    if cache_dtype in fp8.FP8_DTYPES:
+        return tl.float16
+    return _dot_dtype(dtype)
 
 
 def _precision(dtype: torch.dtype) -> str:

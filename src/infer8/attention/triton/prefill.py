@@ -119,7 +119,7 @@ def prefill_kernel(
         m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, n0, seq_len, positions, context_len + m_tile * BLOCK_M, kv,
             qk_scale, tail, BLOCK_N, BLOCK_SIZE, SCALE_MODE, PRECISION, DOT_DTYPE,
-            q_ptr.dtype.element_ty, HAS_TAIL, True,
+            q_ptr.dtype.element_ty, HAS_TAIL,
         )  # fmt: skip
 
     if SCALE_MODE == 2:

@@ -88,6 +88,14 @@ def tail_exact(offs_n, mask_n, positions, lo, num_sinks, window):
 
 
 @triton.jit
+def first_exact_position(lo, position, window):
+    """Return the first position a query at `position` reads exactly, sinks aside (as
+    exact_tail.first_exact; lo: its row's first exact position)."""
+    segment = window * SEGMENT_WINDOWS
+    return tl.maximum(tl.maximum(position - window + 1, position // segment * segment), lo)
+
+
+@triton.jit
 def seq_tail(
     tail_seq_ptr,
     seq,
@@ -181,6 +189,7 @@ def load_residual(
 __all__ = [
     "TritonTailStep",
     "build_tail_step",
+    "first_exact_position",
     "load_residual",
     "seq_tail",
     "tail_exact",

@@ -1,6 +1,7 @@
-"""Device functions the Triton attention kernels share: a paged-cache tile widened in registers
-with its per-token scales, the FP8 exact tail's residual terms added to scores and values, and
-the online-softmax step over one tile of keys that the decode and prefill kernels both run."""
+"""Device functions of the Triton attention kernels: a paged-cache tile widened in registers with
+its per-token scales (the prefill kernel and decode_tail_kernel), the FP8 exact tail's residual
+terms added to scores and values, and the prefill kernel's causal online-softmax step over one
+tile of keys."""
 
 from __future__ import annotations
 
@@ -91,7 +92,6 @@ def attend_tile(
     DOT_DTYPE: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     HAS_TAIL: tl.constexpr,
-    CAUSAL: tl.constexpr,
 ):
     """One online-softmax step: keys [n0, n0 + BLOCK_N) (those below `limit`) into the running
     max m_i, sum l_i (base 2) and output acc of the queries q (at `positions`, the first at
@@ -100,7 +100,7 @@ def attend_tile(
     kv: (K cache, K scales, V cache, V scales, the sequence's block-table row, KV head, offs_d,
     mask_d, the cache's and the scales' strides); tail (read with HAS_TAIL): (lo, sinks, window,
     K's and V's residual pointers, then load_residual's per-sequence arguments from the first
-    new position on). CAUSAL: a query sees keys up to its own position.
+    new position on). A query sees keys up to its own position.
     """
     (k_cache_ptr, k_scale_ptr, v_cache_ptr, v_scale_ptr, table_row, kv_head, offs_d, mask_d,
      stride_ch, stride_cb, stride_cs, stride_sh, stride_sb) = kv  # fmt: skip
@@ -121,10 +121,7 @@ def attend_tile(
                   sink_row, new_row0, row_width, head_dim, num_heads2)  # fmt: skip
         if in_tail:
             scores = tail_scores(scores, q, exact, res_k, res_at, qk_scale, PRECISION, DOT_DTYPE)
-    if CAUSAL:
-        visible = mask_n[None, :] & (offs_n[None, :] <= positions[:, None])
-    else:
-        visible = mask_n[None, :]
+    visible = mask_n[None, :] & (offs_n[None, :] <= positions[:, None])
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     alpha = tl.exp2(m_i - m_new)
