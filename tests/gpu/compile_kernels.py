@@ -28,9 +28,10 @@ import traceback
 import torch
 
 
-def _install_compile_only_driver(arch: int) -> list[tuple[str, dict, object]]:
-    """Make every kernel launch compile for sm_<arch> and return; record each compiled kernel
-    as (name, launch keywords, compiled kernel)."""
+def _install_compile_only_driver(arch: int) -> list[tuple[str, dict, object, bool]]:
+    """Make every kernel launch compile for sm_<arch> and return; record each launch as (name,
+    launch keywords, compiled kernel, whether it compiled: False when Triton's in-memory
+    cache held that specialization already)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
@@ -49,13 +50,15 @@ def _install_compile_only_driver(arch: int) -> list[tuple[str, dict, object]]:
             return torch.device("cpu")
 
     driver.set_active(CompileOnlyDriver())
-    compiled: list[tuple[str, dict, object]] = []
+    compiled: list[tuple[str, dict, object, bool]] = []
     run = JITFunction.run
 
     def warmup_only(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
+        kernels = self.device_caches[0][0]  # (specialization key -> kernel, ...)
+        before = len(kernels)
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         assert "cubin" in kernel.asm, f"{self.__name__}: no cubin"
-        compiled.append((self.__name__, kwargs, kernel))
+        compiled.append((self.__name__, kwargs, kernel, len(kernels) > before))
         return kernel
 
     JITFunction.run = warmup_only  # type: ignore[method-assign]
@@ -149,12 +152,12 @@ def _launch_decode(model_dtype, cache_dtype, scales: str, tail: bool, rotate: bo
         )  # fmt: skip
 
 
-def _report(config: str, compiled: list[tuple[str, dict, object]]) -> list[dict]:
+def _report(config: str, compiled: list[tuple[str, dict, object, bool]]) -> list[dict]:
     """Return what each decode kernel compiled for a configuration asks of the GPU."""
     import sass
 
     rows = []
-    for name, kwargs, kernel in compiled:
+    for name, kwargs, kernel, _ in compiled:
         if not name.startswith("decode"):
             continue
         cubin = kernel.asm["cubin"]  # type: ignore[attr-defined]
@@ -212,7 +215,7 @@ def main() -> int:
             print(json.dumps({"arch": args.arch, "failed": name, "error": str(e)[-2000:]}))
             return 1
         done.append(name)
-        names.update(kernel for kernel, _, _ in compiled)
+        names.update(kernel for kernel, _, _, _ in compiled)
         if args.report:
             report += _report(name, compiled)
         compiled.clear()

@@ -40,15 +40,15 @@ def test_every_kernel_compiles_to_a_cubin(arch: int, kernels: set[str], tmp_path
     assert len(report["configs"]) == (2 if arch == 90 else 1)
 
 
-def _compile(cache_dir: Path, *args: str) -> dict:
-    """Run compile_kernels.py in a fresh process (no interpreter, an empty kernel cache)."""
+def _compile(cache_dir: Path, *args: str, script: Path = SCRIPT) -> dict:
+    """Run a compile-only script in a fresh process (no interpreter, an empty kernel cache)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(cache_dir)  # compile for real, not from an earlier run's cache
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     # the script's own folder heads sys.path: name this checkout, not an installed infer8
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -106,3 +106,17 @@ def test_fp8_decode_kernels_fit_registers_and_stream_without_synchronous_loads(
             scales = row["config"].split("/")[2]
             ratio = row["per_token"] / baseline
             assert ratio <= MAX_RATIO[scales], f"{where}: {ratio:.2f}x bf16's instructions"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on a GPU the other tests compile and run the kernels"
+)
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+def test_no_kernel_compiles_after_start_up(cache: str, tmp_path: Path) -> None:
+    """Decode batches of 1 to 512 and mixed steps at contexts of 1 to 32K tokens reuse the
+    kernels start-up compiled (tests/gpu/count_compiles.py): a table width, a batch or a
+    context never specializes a kernel again."""
+    report = _compile(tmp_path, "--cache", cache, script=SCRIPT.with_name("count_compiles.py"))
+    assert report["at_start"] > 0 and "decode_kernel" in report["kernels_at_start"]
+    assert report["after_start"] == [], report["after_start"][:10]

@@ -21,7 +21,9 @@ from infer8.attention.triton.tiles import load_kv_tile
 from infer8.attention.triton.write import rotate_rows, round_to_model
 
 
-@triton.jit
+# The block table's row stride is the step's longest context in blocks: unspecialized, so a
+# new width never compiles the kernel again while serving (tests/gpu/count_compiles.py).
+@triton.jit(do_not_specialize=["stride_bt"])
 def decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -296,7 +298,9 @@ def main_range(tail_seq_ptr, b, seq_len, window, SKIP_TAIL: tl.constexpr,
     return lo, hi
 
 
-@triton.jit
+# The block table's row stride is the step's longest context in blocks: unspecialized, so a
+# new width never compiles the kernel again while serving (tests/gpu/count_compiles.py).
+@triton.jit(do_not_specialize=["stride_bt"])
 def decode_tail_kernel(
     q_ptr,
     k_cache_ptr,

@@ -11,7 +11,9 @@ from infer8.attention.triton.tiles import attend_tile
 from infer8.attention.triton.write import rotate_rows
 
 
-@triton.jit
+# The block table's row stride is the step's longest context in blocks: unspecialized, so a
+# new width never compiles the kernel again while serving (tests/gpu/count_compiles.py).
+@triton.jit(do_not_specialize=["stride_bt"])
 def prefill_kernel(
     q_ptr,
     k_cache_ptr,
