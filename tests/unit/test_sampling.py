@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from infer8.kernels.cpu import NativeKernels
 from infer8.sampling_params import SamplingParams
+from infer8.worker.penalties import PenaltyRows, uses_penalty_rows
 from infer8.worker.sampler import Sampler, SamplingState, apply_penalties
 
 
@@ -154,11 +156,12 @@ def test_a_failing_row_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     real = sampler_mod.apply_penalties
 
     def fail_on_penalty_two(
-        logits: torch.Tensor, rows: list[int], states: list[SamplingState], stop_ids: list
-    ) -> dict[int, str]:
+        logits: torch.Tensor, rows: list[int], states: list[SamplingState], stop_ids: list,
+        tables: object = None,
+    ) -> dict[int, str]:  # fmt: skip
         if any(states[i].params.repetition_penalty == 2.0 for i in rows):
             raise RuntimeError("boom")
-        return real(logits, rows, states, stop_ids)
+        return real(logits, rows, states, stop_ids, tables)
 
     monkeypatch.setattr(sampler_mod, "apply_penalties", fail_on_penalty_two)
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3)
@@ -370,3 +373,99 @@ def test_batched_penalties_equal_the_row_by_row_reference() -> None:
     assert torch.equal(got[:-2], want[:-2])  # bit for bit
     assert torch.equal(got[-1], logits[-1]) and torch.equal(got[3], logits[3])
     assert torch.isinf(got[5, [4, 7]]).all() and not torch.isinf(got[7]).any()
+
+
+def _with_rows(states: list[SamplingState], tables: PenaltyRows) -> list[SamplingState]:
+    """Copies of states, each holding a row of tables (as the model runner gives them)."""
+    copies = []
+    for s in states:
+        c = SamplingState(s.params, list(s.prompt_token_ids), list(s.output_token_ids))
+        if uses_penalty_rows(c.params):
+            tables.take(c)
+        copies.append(c)
+    return copies
+
+
+def test_penalty_rows_equal_the_token_lists_step_after_step() -> None:
+    """The runner's rows (filled once, then given each step's new tokens) penalise as the
+    token lists do, bit for bit, while requests come and go and rows are reused."""
+    vocab, gen = 300, torch.Generator().manual_seed(1)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, 40, (n,), generator=gen).tolist()
+
+    kinds = [
+        {"repetition_penalty": 1.3},
+        {"repetition_penalty": 0.7, "frequency_penalty": 0.4},
+        {"presence_penalty": -1.5},
+        {"frequency_penalty": 1.1, "presence_penalty": 0.3, "repetition_penalty": 1.05},
+        {"min_tokens": 3, "max_tokens": 9, "repetition_penalty": 1.2},
+        {},
+    ]
+    tables = PenaltyRows(torch.device("cpu"))
+    lists = [SamplingState(SamplingParams(temperature=1.0, **kw), ids(30), []) for kw in kinds]
+    tabled = _with_rows(lists, tables)
+    stops = [[4, 7]] * len(kinds)
+    for step in range(6):
+        if step == 3:  # the first request finishes; a new one takes its (zeroed) row
+            tables.release(tabled[0])
+            lists[0] = SamplingState(SamplingParams(temperature=1.0, repetition_penalty=1.4),
+                                     ids(7), [])  # fmt: skip
+            tabled[0] = _with_rows([lists[0]], tables)[0]
+        logits = torch.randn(len(kinds), vocab, generator=gen) * 5
+        want, got = logits.clone(), logits.clone()
+        rows = list(range(len(kinds)))
+        assert not apply_penalties(want, rows, lists, stops)
+        assert not apply_penalties(got, rows, tabled, stops, tables)
+        assert torch.equal(got, want), f"step {step}"
+        for a, b in zip(lists, tabled):  # this step's sampled token, on both sides
+            token = ids(1)
+            a.output_token_ids.extend(token)
+            b.output_token_ids.extend(token)
+    assert tabled[0].penalty_row is not None and tabled[0].penalty_row.row == 0  # reused
+
+
+def test_penalty_rows_take_only_new_tokens_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's table work grows with the tokens its requests gained, not with their context:
+    a 4,000-token prompt is scattered once, then one token a step."""
+    import infer8.worker.penalties as penalties
+
+    tables = PenaltyRows(torch.device("cpu"))
+    state = SamplingState(SamplingParams(repetition_penalty=1.1, frequency_penalty=0.2),
+                          list(range(4000)), [])  # fmt: skip
+    tables.take(state)
+    scattered: list[int] = []
+    real = penalties.torch.from_numpy
+
+    def spy(array):  # type: ignore[no-untyped-def]
+        scattered.append(len(array))
+        return real(array)
+
+    monkeypatch.setattr(penalties.torch, "from_numpy", spy)
+    for token in (5, 9, 9, 4001, None):
+        tables.sync([state], 5000)
+        if token is not None:
+            state.output_token_ids.append(token)
+    assert scattered == [4000, 1, 1, 1, 1]
+    assert tables.seen is not None and tables.counts is not None
+    assert int(tables.seen[0].sum()) == 4001 and bool(tables.seen[0, 4001])
+    assert int(tables.counts[0, 9]) == 2 and int(tables.counts[0].sum()) == 4
+
+
+def test_rows_outside_the_tables_take_the_token_lists() -> None:
+    """A draft row (a copy with drafts appended) and a request whose prompt holds an id
+    outside the vocabulary leave the tables: the first is penalised from its lists, drafts
+    included; the second fails alone, as before."""
+    vocab = 50
+    tables = PenaltyRows(torch.device("cpu"))
+    base = _with_rows([SamplingState(SamplingParams(repetition_penalty=2.0), [1, 2], [3])],
+                      tables)[0]  # fmt: skip
+    draft = dataclasses.replace(base, output_token_ids=[*base.output_token_ids, 40])
+    assert base.penalty_row is not None and draft.penalty_row is None
+    bad = _with_rows([SamplingState(SamplingParams(repetition_penalty=2.0), [1, vocab + 5], [])],
+                     tables)[0]  # fmt: skip
+    logits = torch.full((3, vocab), 4.0)
+    errors = apply_penalties(logits, [0, 1, 2], [base, draft, bad], [[], [], []], tables)
+    assert list(errors) == [2] and bad.penalty_row is None
+    assert logits[0, 40] == 4.0 and logits[1, 40] == 2.0  # the draft's token, in its row only
+    assert (logits[:2, [1, 2, 3]] == 2.0).all()

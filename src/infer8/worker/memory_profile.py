@@ -116,13 +116,20 @@ def build_profile_step(
 
 
 def run_profile_step(model: LlamaForCausalLM, step: ProfileStep) -> torch.Tensor:
-    """Run the step, then logits and the sampler's float32 copy for max_num_seqs rows."""
+    """Run the step, then logits and the sampler's float32 copy for max_num_seqs rows, beside
+    the penalty tables (worker/penalties.PenaltyRows) a GPU keeps for as many requests."""
     device = step.input_ids.device
     with torch.inference_mode():
         hidden = model(step.input_ids, step.positions, step.meta, step.caches)
         rows = torch.arange(step.max_num_seqs, device=device) % step.input_ids.shape[0]
         logits = model.compute_logits(hidden[rows])  # [max_num_seqs, vocab]
-        return torch.softmax(logits.float(), dim=-1)
+        tables = None
+        if device.type == "cuda":  # seen (bool) and counts (int32), every row taken
+            tables = torch.empty(logits.shape, dtype=torch.int32, device=device)
+            tables = (tables, torch.empty(logits.shape, dtype=torch.bool, device=device))
+        probs = torch.softmax(logits.float(), dim=-1)
+        del tables
+        return probs
 
 
 def profile_step(

@@ -24,7 +24,7 @@ from infer8.lora.slots import LoRAManager, LoRAStep, lora_requests_of
 from infer8.models.llama import LlamaForCausalLM
 from infer8.worker.block_tables import BlockTables
 from infer8.worker.kv_offload import HostKVCache
-from infer8.worker.penalties import SamplingState
+from infer8.worker.penalties import SamplingState, uses_penalty_rows
 from infer8.worker.sampler import Sampler
 from infer8.worker.spec_decode import DraftRows, TailRingBackup, verify
 
@@ -123,9 +123,16 @@ class ModelRunner:
             out.append(torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1))
         return torch.cat(out)
 
+    def _drop_state(self, req_id: str) -> None:
+        """Forget a request's sampling state, giving back its penalty row."""
+        state = self.states.pop(req_id, None)
+        if state is not None and self.sampler.penalty_rows is not None:
+            self.sampler.penalty_rows.release(state)
+
     def reset(self) -> None:
         """Forget every request (after a failed step): states and block rows."""
-        self.states.clear()
+        for req_id in list(self.states):
+            self._drop_state(req_id)
         self.req_loras.clear()
         self.block_tables.clear()
         if self.ring_backup is not None:
@@ -151,7 +158,7 @@ class ModelRunner:
             gone = {*sched.finished_req_ids, *sched.preempted_req_ids}
             self.ring_backup.restore(self.kv_caches, sched.new_token_ids, gone)
         for req_id in sched.finished_req_ids:
-            self.states.pop(req_id, None)
+            self._drop_state(req_id)
             self.req_loras.pop(req_id, None)
         for req_id in sched.finished_req_ids + sched.preempted_req_ids:
             self.block_tables.remove(req_id)
@@ -162,9 +169,11 @@ class ModelRunner:
             gen = None
             if p.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(p.seed)
-            self.states[new.req_id] = SamplingState(
-                p, list(new.prompt_token_ids), [], gen, list(new.eos_token_ids)
-            )
+            self._drop_state(new.req_id)  # a preempted request's earlier state
+            state = SamplingState(p, list(new.prompt_token_ids), [], gen, list(new.eos_token_ids))
+            if uses_penalty_rows(p) and self.sampler.penalty_rows is not None:
+                self.sampler.penalty_rows.take(state)
+            self.states[new.req_id] = state
             if new.lora_request is not None:
                 self.req_loras[new.req_id] = new.lora_request
         if sched.is_empty:
