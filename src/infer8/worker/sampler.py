@@ -17,8 +17,8 @@ import torch
 from infer8.sampling_params import SamplingParams
 from infer8.worker.penalties import (
     LOGIT_LIMIT,
-    SamplingState,
     PenaltyRows,
+    SamplingState,
     apply_penalties,
     finite_,
     row_error,
