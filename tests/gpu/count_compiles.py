@@ -99,19 +99,13 @@ def main() -> int:
                 else:  # a chunk of the longest sequence beside the others' decodes
                     chunk = min(MAX_BATCHED - batch, max(1, ctx // 2))
                     step([chunk] + [1] * (batch - 1), [max(0, ctx - chunk)] + lens[:-1])
-                for name, kwargs, _, new in compiled:
-                    if new:
-                        after.append({"kernel": name, "step": f"{kind} batch {batch} context {ctx}",
-                                      "ints": _ints(kwargs)})  # fmt: skip
+                step_name = f"{kind} batch {batch} context {ctx}"
+                after += [{"kernel": name, "step": step_name}
+                          for name, _, _, new in compiled if new]  # fmt: skip
                 compiled.clear()
     print(json.dumps({"arch": args.arch, "cache": args.cache, "at_start": len(at_start),
                       "kernels_at_start": sorted(set(at_start)), "after_start": after}))  # fmt: skip
     return 0
-
-
-def _ints(kwargs: dict) -> dict:
-    """Return a launch's integer keywords (what a recompile specialized on, usually)."""
-    return {k: v for k, v in kwargs.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         # On a GPU, the running requests' token tables their penalties read (the model runner
         # takes and releases rows as requests come and go). A CPU keeps the sparse path:
-        # dense [rows, vocab] passes cost it more than the positions (4-8x at 8-256 rows of a
+        # dense [rows, vocab] passes cost it more than the positions (2-9x at 8-256 rows of a
         # 49K vocabulary and 128-1,024-token contexts).
         self.penalty_rows = PenaltyRows(device) if device.type == "cuda" else None
         # (logits, limit) -> each row's argmax after finite_, without the copy: a native pass

@@ -17,7 +17,7 @@ from infer8.attention.triton.tail import (
     load_residual,
     seq_tail,
 )
-from infer8.attention.triton.tiles import load_kv_tile
+from infer8.attention.triton.tiles import load_kv_tile, softmax_step
 from infer8.attention.triton.write import rotate_rows, round_to_model
 
 
@@ -170,10 +170,7 @@ def decode_kernel(
                 v_s = _bf16_of_word(v_w, in_block)
                 scores = scores * k_s[None, :]
             scores = tl.where(mask_n[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
             if SCALE_MODE == 1:
                 # V's scales ride on p, normalized by the tile's largest (p stays in [0, 1])
                 # acc is kept in units of the last tile's largest V scale, so the product
@@ -448,10 +445,7 @@ def _attend_exact_tile(q, m_i, l_i, acc, offs_n, mask_n, position, kv, res_k, re
     k = k * k_s[:, None] + r * r_s[:, None]
     scores = tl.dot(q, tl.trans(k), input_precision="ieee")
     scores = tl.where(mask_n[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
     v, v_s = load_kv_tile(
         v_cache_ptr, v_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
         stride_ch, stride_cb, stride_cs, stride_sh, stride_sb, BLOCK_SIZE, SCALE_MODE, tl.float32,

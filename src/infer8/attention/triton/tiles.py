@@ -1,7 +1,7 @@
 """Device functions of the Triton attention kernels: a paged-cache tile widened in registers with
 its per-token scales (the prefill kernel and decode_tail_kernel), the FP8 exact tail's residual
-terms added to scores and values, and the prefill kernel's causal online-softmax step over one
-tile of keys."""
+terms added to scores and values, the online-softmax step every attention kernel runs, and the
+prefill kernel's causal step over one tile of keys."""
 
 from __future__ import annotations
 
@@ -73,6 +73,17 @@ def tail_values(acc, p, exact, res, res_at, out_dtype: tl.constexpr, PRECISION: 
 
 
 @triton.jit
+def softmax_step(scores, m_i, l_i):
+    """One online-softmax step (base 2) over a tile's scores [rows, BLOCK_N]: return the new
+    running max, the factor that rescales what came before, the tile's weights and the new
+    running sum."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def attend_tile(
     q,
     m_i,
@@ -123,10 +134,7 @@ def attend_tile(
             scores = tail_scores(scores, q, exact, res_k, res_at, qk_scale, PRECISION, DOT_DTYPE)
     visible = mask_n[None, :] & (offs_n[None, :] <= positions[:, None])
     scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
     v, v_s = load_kv_tile(
         v_cache_ptr, v_scale_ptr, table_row, kv_head, offs_n, offs_d, mask_n, mask_d,
         stride_ch, stride_cb, stride_cs, stride_sh, stride_sb, BLOCK_SIZE, SCALE_MODE, DOT_DTYPE,
